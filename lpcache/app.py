@@ -1,0 +1,148 @@
+"""The ASGI app: routes, start and stop, and the one place errors become OpenAI-shaped responses.
+
+Routes: POST /v1/chat/completions (and /chat/completions) through the cache pipeline; GET /v1/models; GET /health;
+everything else is passed to a backend unchanged, so a client pointed at lpcache instead of llama-server loses
+nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import aiohttp
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp
+
+from . import __version__
+from .backends import start_backends
+from .config import Settings, describe
+from .errors import ProxyError
+from .index import MetaIndex
+from .pipeline import Pipeline
+from .record import RequestRecord, log_record
+from .relay import PassThrough
+from .slots import SlotPool
+
+log = logging.getLogger("lpcache")
+
+ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
+SHUTDOWN_SAVE_WAIT = 60.0  # seconds running saves get to finish when lpcache stops
+
+
+class OrjsonResponse(JSONResponse):
+    def render(self, content: object) -> bytes:
+        import orjson
+
+        return orjson.dumps(content)
+
+
+def error_response(err: ProxyError) -> Response:
+    return OrjsonResponse(err.body(), status_code=err.status)
+
+
+def new_record(request: Request) -> RequestRecord:
+    length = request.headers.get("content-length")
+    return RequestRecord(
+        method=request.method,
+        path=request.url.path + (f"?{request.url.query}" if request.url.query else ""),
+        client_ip=request.client.host if request.client else None,
+        user_agent=request.headers.get("user-agent"),
+        bytes_in=int(length) if length and length.isdigit() else None,
+    )
+
+
+def _pipeline(request: Request) -> Pipeline:
+    return request.app.state.pipeline  # type: ignore[no-any-return]
+
+
+async def chat_completions(request: Request) -> ASGIApp:
+    pipeline = _pipeline(request)
+    record = new_record(request)
+    try:
+        return await pipeline.chat(request, record)
+    except ProxyError as e:
+        record.status = e.status
+        record.reason = record.reason or ("invalid_request" if e.status in (400, 422) else "backend_error")
+        pipeline.notify(record)
+        return error_response(e)
+
+
+async def models(request: Request) -> Response:
+    model_id = _pipeline(request).settings.model_id
+    return OrjsonResponse({"object": "list", "data": [
+        {"id": model_id, "object": "model", "created": int(request.app.state.started), "owned_by": "lpcache"}]})
+
+
+async def health(request: Request) -> Response:
+    pipeline = _pipeline(request)
+    backends = [
+        {"url": b.url, "n_slots": b.n_slots, "kv_cache": b.kv_cache,
+         "busy_slots": sum(1 for s in pipeline.pool.slots if s.backend == b.index and s.busy)}
+        for b in pipeline.backends
+    ]
+    return OrjsonResponse({"status": "ok", "version": __version__, "backends": backends,
+                           "waiting": pipeline.pool.waiting, "cached_entries": len(pipeline.index)})
+
+
+async def forward(request: Request) -> ASGIApp:
+    """Any route lpcache does not handle itself goes to a backend as it came."""
+    pipeline = _pipeline(request)
+    record = new_record(request)
+    path = request.scope.get("raw_path") or request.url.path.encode()
+    query = request.scope.get("query_string") or b""
+    path_qs = path.decode("latin-1") + (f"?{query.decode('latin-1')}" if query else "")
+    try:
+        upstream = await pipeline.backends[0].client.forward(request.method, path_qs, request.headers,
+                                                             await request.body())
+    except ProxyError as e:
+        record.status, record.reason = e.status, "backend_unreachable"
+        return error_response(e)
+    return PassThrough(upstream, record)
+
+
+async def internal_error(request: Request, exc: Exception) -> Response:
+    log.exception("internal_error path=%s", request.url.path, exc_info=exc)
+    return error_response(ProxyError("internal error in lpcache; see its log", code="internal_error"))
+
+
+def create_app(settings: Settings) -> Starlette:
+    """Build the app. Backends are contacted and the meta index loaded when it starts (ASGI lifespan)."""
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60))
+        index = MetaIndex(settings.meta_dir, settings.words_per_block, settings.meta_max, settings.slot_save_paths)
+        try:
+            backends = await start_backends(settings, session)
+            loaded = await asyncio.to_thread(index.load)
+            pool = SlotPool([s for b in backends for s in b.slots()], settings.slot_wait_timeout)
+            app.state.pipeline = Pipeline(settings, backends, pool, index, observers=[log_record])
+            app.state.started = time.time()
+            log.info("app_start version=%s backends=%s slots=%d meta_entries=%d %s", __version__,
+                     ",".join(f"{b.url}({b.n_slots})" for b in backends), len(pool.slots), loaded,
+                     describe(settings))
+            yield
+            await app.state.pipeline.drain(SHUTDOWN_SAVE_WAIT)
+        finally:
+            await index.close()
+            await session.close()
+            log.info("app_stop")
+
+    return Starlette(
+        routes=[
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/{path:path}", forward, methods=ALL_METHODS),
+        ],
+        exception_handlers={Exception: internal_error},
+        lifespan=lifespan,
+    )

@@ -1,0 +1,32 @@
+"""The `lpcache` command: read the settings, set up logging, serve the app with uvicorn."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+
+from .config import build_parser, load_settings
+from .errors import ConfigError
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        settings = load_settings(args)
+    except ConfigError as e:
+        build_parser().exit(2, f"lpcache: error: {e}\n")
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    import uvicorn
+
+    from .app import create_app
+
+    # uvicorn picks uvloop and httptools by itself when they are installed ("auto").
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
+                access_log=False, lifespan="on", timeout_graceful_shutdown=int(settings.request_timeout))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,298 @@
+"""Settings: every variable, its flag, default and check, in one table.
+
+The names, defaults and meanings are those of the Rust lpcache, so a deployment can switch without changing a
+line. A value comes from its command-line flag, else its environment variable, else the default. Each value is
+checked once, here; a bad one raises `ConfigError` naming the variable, and start-up stops with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import orjson
+
+from .errors import ConfigError
+
+LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARN", "WARNING", "ERROR", "CRITICAL")
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """One llama-server. `n_slots` None means: ask the server (`GET /props`, `total_slots`)."""
+
+    url: str
+    n_slots: int | None = None
+    slot_save_path: str | None = None
+    kv_cache: bool = True
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The resolved configuration. Build it with `load_settings` (or directly in tests)."""
+
+    backends: tuple[BackendConfig, ...] = (BackendConfig("http://127.0.0.1:8000"),)
+    n_slots: int = 1
+    words_per_block: int = 100
+    big_threshold_words: int = 500
+    lcp_th: float = 0.1
+    meta_dir: str = "./kv_meta"
+    meta_max: int = 10
+    request_timeout: float = 600.0
+    model_id: str = "llama.cpp"
+    host: str = "0.0.0.0"
+    port: int = 8081
+    llama_api_key: str | None = None
+    log_level: str = "INFO"
+    stream_queue_size: int = 16
+    save_retries: int = 3
+    save_retry_delay_ms: int = 1000
+    slot_wait_timeout: float = 300.0
+    # Where each value came from ("flag", "env" or "default"), for the start-up log and for N_SLOTS.
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False)
+
+    @property
+    def slot_save_paths(self) -> tuple[str, ...]:
+        """The slot-save folders lpcache knows of, for pruning KV files and checking stale meta files."""
+        return tuple(dict.fromkeys(b.slot_save_path for b in self.backends if b.slot_save_path))
+
+
+# ---- value parsers: each takes the raw string and returns the value or raises ValueError ----
+
+def _int(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    def parse(raw: str) -> int:
+        try:
+            value = int(raw.strip())
+        except ValueError:
+            raise ValueError(f"{raw!r} is not an integer") from None
+        if value < minimum:
+            raise ValueError(f"{value} is below the minimum of {minimum}")
+        if maximum is not None and value > maximum:
+            raise ValueError(f"{value} is above the maximum of {maximum}")
+        return value
+    return parse
+
+
+def _float(minimum: float, maximum: float | None = None, *, exclusive_min: bool = False) -> Callable[[str], float]:
+    def parse(raw: str) -> float:
+        try:
+            value = float(raw.strip())
+        except ValueError:
+            raise ValueError(f"{raw!r} is not a number") from None
+        if value != value or (exclusive_min and value <= minimum) or value < minimum:
+            raise ValueError(f"{raw.strip()} must be {'above' if exclusive_min else 'at least'} {minimum}")
+        if maximum is not None and value > maximum:
+            raise ValueError(f"{raw.strip()} must be at most {maximum}")
+        return value
+    return parse
+
+
+def _text(raw: str) -> str:
+    return raw
+
+
+def _optional_text(raw: str) -> str | None:
+    return raw.strip() or None
+
+
+def _url(raw: str) -> str:
+    url = raw.strip().rstrip("/")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"{raw!r} is not an http(s) URL")
+    return url
+
+
+def _log_level(raw: str) -> str:
+    level = raw.strip().upper()
+    if level not in LOG_LEVELS:
+        raise ValueError(f"{raw!r} is not one of {', '.join(LOG_LEVELS)}")
+    return {"TRACE": "DEBUG", "WARN": "WARNING"}.get(level, level)
+
+
+def _backends(raw: str) -> tuple[BackendConfig, ...]:
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e})") from None
+    if not isinstance(data, list) or not data:
+        raise ValueError("must be a non-empty JSON array of objects with a \"url\"")
+    backends = []
+    for i, item in enumerate(data):
+        if not isinstance(item, dict):
+            raise ValueError(f"entry {i} is not an object")
+        if not isinstance(item.get("url"), str):
+            raise ValueError(f"entry {i} has no \"url\" string")
+        url = _url(item["url"])
+        n_slots = item.get("n_slots")
+        if n_slots is not None and (isinstance(n_slots, bool) or not isinstance(n_slots, int) or n_slots < 1):
+            raise ValueError(f"entry {i}: \"n_slots\" must be an integer of at least 1")
+        path = item.get("slot_save_path")
+        if path is not None and not isinstance(path, str):
+            raise ValueError(f"entry {i}: \"slot_save_path\" must be a string")
+        kv_cache = item.get("kv_cache", True)
+        if not isinstance(kv_cache, bool):
+            raise ValueError(f"entry {i}: \"kv_cache\" must be true or false")
+        backends.append(BackendConfig(url, n_slots, path or None, kv_cache))
+    return tuple(backends)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One setting: its variable, flag, parser, default (as text, as a user would write it) and help."""
+
+    env: str
+    flag: str
+    parse: Callable[[str], Any]
+    default: str | None
+    help: str
+    attr: str = ""
+    metavar: str = "VALUE"
+
+    @property
+    def name(self) -> str:
+        return self.attr or self.env.lower()
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("BACKENDS", "--backends", _backends, None,
+           'JSON array of backends: [{"url": "...", "n_slots": N, "slot_save_path": "...", "kv_cache": true}]. '
+           "n_slots defaults to the server's total_slots (GET /props); kv_cache false turns off save and restore "
+           "for that backend. When unset, one backend is built from LLAMA_URL, N_SLOTS and SLOT_SAVE_PATH.",
+           metavar="JSON"),
+    Option("LLAMA_URL", "--llama-url", _url, "http://127.0.0.1:8000",
+           "The single backend's URL when BACKENDS is unset.", metavar="URL"),
+    Option("N_SLOTS", "--n-slots", _int(1), "1",
+           "Slot count of the LLAMA_URL backend when set explicitly; otherwise the server's total_slots is used, "
+           "and this default only when the server cannot be asked.", metavar="N"),
+    Option("WORDS_PER_BLOCK", "--words-per-block", _int(1), "100", "Words per hash block.", metavar="N"),
+    Option("BIG_THRESHOLD_WORDS", "--big-threshold-words", _int(0), "500",
+           "A request with more words than this is big: its KV cache is saved after completion and restored "
+           "before a later request that shares its prefix.", metavar="N"),
+    Option("LCP_TH", "--lcp-th", _float(0.0, 1.0), "0.1",
+           "Minimum share of the request's blocks that a saved cache must match, from the start, to be restored "
+           "(0..1).", metavar="RATIO"),
+    Option("META_DIR", "--meta-dir", _text, "./kv_meta", "Folder of the <key>.meta.json files.", metavar="DIR"),
+    Option("META_MAX", "--meta-max", _int(0), "10",
+           "Most meta files kept, least recently used deleted first with their KV files; 0 = no limit.",
+           metavar="N"),
+    Option("SLOT_SAVE_PATH", "--slot-save-path", _optional_text, None,
+           "The backend's --slot-save-path folder as lpcache sees it (single-backend fallback); pruned KV files "
+           "are deleted from it.", metavar="DIR"),
+    Option("REQUEST_TIMEOUT", "--request-timeout", _float(0.0, exclusive_min=True), "600",
+           "Seconds a request to a backend may take.", metavar="SECONDS"),
+    Option("MODEL_ID", "--model-id", _text, "llama.cpp",
+           "Model id advertised by /v1/models, and used for a request that names no model.", metavar="ID"),
+    Option("HOST", "--host", _text, "0.0.0.0", "Address to listen on.", metavar="ADDR"),
+    Option("PORT", "--port", _int(1, 65535), "8081", "Port to listen on.", metavar="PORT"),
+    Option("LLAMA_API_KEY", "--api-key", _optional_text, None,
+           "Sent to the backends as Authorization: Bearer <KEY> (blank = no auth).", metavar="KEY"),
+    Option("LOG_LEVEL", "--log-level", _log_level, "INFO",
+           "Log level: DEBUG, INFO, WARNING, ERROR (TRACE and WARN are accepted; RUST_LOG, when a plain level, "
+           "overrides it).", metavar="LEVEL"),
+    Option("STREAM_QUEUE_SIZE", "--stream-queue-size", _int(1), "16",
+           "Chunks buffered per streaming request between the backend reader and the client (at least 1).",
+           metavar="N"),
+    Option("SAVE_RETRIES", "--save-retries", _int(0), "3",
+           "Retries after a failed KV cache save; 0 = no retry.", metavar="N"),
+    Option("SAVE_RETRY_DELAY_MS", "--save-retry-delay-ms", _int(0), "1000",
+           "Milliseconds between save retries.", metavar="MS"),
+    Option("SLOT_WAIT_TIMEOUT", "--slot-wait-timeout", _float(0.0, exclusive_min=True), "300",
+           "Seconds a request waits for a free slot before it gets 503 all slots busy.", metavar="SECONDS"),
+)
+
+_BY_ENV = {o.env: o for o in OPTIONS}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI: one flag per option, help written next to the option above."""
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="lpcache",
+        description="A KV-cache-aware, OpenAI-compatible proxy in front of llama.cpp llama-server instances. "
+                    "Every flag has an environment variable of the name shown; flags win over the environment, "
+                    "the environment over the defaults.",
+    )
+    parser.add_argument("-V", "--version", action="version", version=f"lpcache {__version__}")
+    for o in OPTIONS:
+        default = "unset" if o.default is None else o.default
+        parser.add_argument(o.flag, dest=o.env, metavar=o.metavar, default=argparse.SUPPRESS,
+                            help=f"{o.help} [env {o.env}, default {default}]")
+    return parser
+
+
+def load_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
+    """Resolve flags over environment over defaults, and check every value. Raises ConfigError."""
+    environ = os.environ if environ is None else environ
+    flags = vars(build_parser().parse_args(argv if argv is not None else []))
+    raw: dict[str, str | None] = {}
+    sources: dict[str, str] = {}
+    for o in OPTIONS:
+        if o.env in flags:
+            raw[o.env], sources[o.env] = flags[o.env], "flag"
+        elif o.env in environ:
+            raw[o.env], sources[o.env] = environ[o.env], "env"
+        else:
+            raw[o.env], sources[o.env] = o.default, "default"
+    if sources["LOG_LEVEL"] != "flag" and environ.get("RUST_LOG", "").strip().upper() in LOG_LEVELS:
+        raw["LOG_LEVEL"], sources["LOG_LEVEL"] = environ["RUST_LOG"], "env"
+
+    values: dict[str, Any] = {}
+    for o in OPTIONS:
+        text = raw[o.env]
+        if text is None:
+            values[o.env] = None
+            continue
+        try:
+            values[o.env] = o.parse(text)
+        except ValueError as e:
+            raise ConfigError(o.env, str(e)) from None
+
+    backends = values["BACKENDS"]
+    if backends is None:
+        explicit_slots = values["N_SLOTS"] if sources["N_SLOTS"] != "default" else None
+        backends = (BackendConfig(values["LLAMA_URL"], explicit_slots, values["SLOT_SAVE_PATH"], True),)
+    if not values["MODEL_ID"].strip():
+        raise ConfigError("MODEL_ID", "must not be empty")
+
+    return Settings(
+        backends=backends,
+        n_slots=values["N_SLOTS"],
+        words_per_block=values["WORDS_PER_BLOCK"],
+        big_threshold_words=values["BIG_THRESHOLD_WORDS"],
+        lcp_th=values["LCP_TH"],
+        meta_dir=values["META_DIR"],
+        meta_max=values["META_MAX"],
+        request_timeout=values["REQUEST_TIMEOUT"],
+        model_id=values["MODEL_ID"],
+        host=values["HOST"],
+        port=values["PORT"],
+        llama_api_key=values["LLAMA_API_KEY"],
+        log_level=values["LOG_LEVEL"],
+        stream_queue_size=values["STREAM_QUEUE_SIZE"],
+        save_retries=values["SAVE_RETRIES"],
+        save_retry_delay_ms=values["SAVE_RETRY_DELAY_MS"],
+        slot_wait_timeout=values["SLOT_WAIT_TIMEOUT"],
+        sources=sources,
+    )
+
+
+def describe(settings: Settings) -> str:
+    """One line for the start-up log: every value, with the API key hidden."""
+    shown = []
+    for o in OPTIONS:
+        if o.env == "BACKENDS":
+            value: Any = [b.url for b in settings.backends]
+        elif o.env == "LLAMA_URL":
+            continue
+        elif o.env == "LLAMA_API_KEY":
+            value = "set" if settings.llama_api_key else "unset"
+        else:
+            value = getattr(settings, o.env.lower(), None)
+        shown.append(f"{o.env.lower()}={value}")
+    return " ".join(shown)

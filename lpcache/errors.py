@@ -1,0 +1,70 @@
+"""The errors lpcache raises, each able to become an OpenAI-shaped response.
+
+One shallow tree: `ConfigError` stops start-up; `ProxyError` and its few children become
+`{"error": {"message", "type", "code"}}` with an HTTP status. Errors from aiohttp or the OS are
+translated into these where they enter (in `llama`), with the original chained.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class LpcacheError(Exception):
+    """Base of every error lpcache raises on purpose."""
+
+
+class ConfigError(LpcacheError):
+    """A bad setting: names the variable and says what is wrong. Start-up stops with exit status 2."""
+
+    def __init__(self, variable: str, problem: str) -> None:
+        super().__init__(f"{variable}: {problem}")
+        self.variable = variable
+        self.problem = problem
+
+
+class ProxyError(LpcacheError):
+    """An error answered to the client in OpenAI's shape."""
+
+    status = 500
+    type = "server_error"
+
+    def __init__(self, message: str, *, status: int | None = None, type: str | None = None,
+                 code: str | int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if status is not None:
+            self.status = status
+        if type is not None:
+            self.type = type
+        self.code = code if code is not None else self.status
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "code": self.code}}
+
+
+class BadRequest(ProxyError):
+    """The client's request is malformed (400, or 422 for a body that is not JSON)."""
+
+    status = 400
+    type = "invalid_request_error"
+
+
+class SlotsBusy(ProxyError):
+    """No slot became free within the acquire timeout."""
+
+    status = 503
+    type = "unavailable_error"
+
+
+class BackendUnreachable(ProxyError):
+    """The backend could not be reached, or dropped the connection."""
+
+    status = 502
+    type = "backend_unreachable"
+
+
+class BackendError(ProxyError):
+    """The backend answered with an error status of its own; its message is passed on."""
+
+    type = "backend_error"

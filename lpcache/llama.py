@@ -1,0 +1,155 @@
+"""llama-server's HTTP API, and nothing else: every URL, field and status lpcache relies on lives here.
+
+Built on aiohttp: against a zero-latency stand-in it added less time per request than httpx (see
+docs/benchmarks.md, `bench/http_clients.py`). aiohttp errors are translated into `BackendUnreachable` here, at the
+seam, with the original chained.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+from .errors import BackendError, BackendUnreachable
+
+log = logging.getLogger("lpcache.llama")
+
+CHAT_PATH = "/v1/chat/completions"
+
+# Headers that belong to one hop (RFC 9110 7.6.1) or that aiohttp sets itself.
+HOP_HEADERS = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+    "transfer-encoding", "upgrade", "host", "content-length",
+})
+
+
+def pin(body: dict[str, Any], slot: int) -> dict[str, Any]:
+    """Write the slot pin where every llama-server build looks: the body root and `options` (the query string is
+    added by `chat`). Build 11434 reads only the root; the others are harmless there."""
+    body["id_slot"] = slot
+    options = body.get("options")
+    body["options"] = {**options, "id_slot": slot} if isinstance(options, dict) else {"id_slot": slot}
+    return body
+
+
+@dataclass(frozen=True, slots=True)
+class SlotAction:
+    """The answer to POST /slots/{id}?action=...: ok, the status, the JSON body (or an error text)."""
+
+    ok: bool
+    status: int
+    body: dict[str, Any]
+    ms: float
+
+    @property
+    def error(self) -> str:
+        err = self.body.get("error")
+        if isinstance(err, dict):
+            return str(err.get("message", err))
+        return str(err or self.body)
+
+
+def error_message(status: int, raw: bytes) -> tuple[str, str | None]:
+    """The message (and type) of a backend's error body, whatever its shape."""
+    try:
+        doc = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        text = raw.decode("utf-8", "replace").strip()
+        return (text[:500] or f"backend answered HTTP {status}"), None
+    err = doc.get("error") if isinstance(doc, dict) else None
+    if isinstance(err, dict):
+        return str(err.get("message") or f"backend answered HTTP {status}"), err.get("type")
+    if isinstance(err, str):
+        return err, None
+    return f"backend answered HTTP {status}", None
+
+
+class LlamaClient:
+    """One llama-server. Shares the app's aiohttp session (one connection pool for all backends)."""
+
+    def __init__(self, url: str, session: aiohttp.ClientSession, *, api_key: str | None = None,
+                 timeout: float = 600.0) -> None:
+        self.url = url.rstrip("/")
+        self.session = session
+        self.timeout = aiohttp.ClientTimeout(total=timeout)
+        self.short_timeout = aiohttp.ClientTimeout(total=min(timeout, 10.0))
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    async def chat(self, body: dict[str, Any], slot: int | None, path: str = CHAT_PATH) -> aiohttp.ClientResponse:
+        """Send a chat request, pinned to `slot` when given. Returns the open response: the caller reads it (JSON
+        or SSE) and must release it."""
+        params = None
+        if slot is not None:
+            pin(body, slot)
+            params = {"id_slot": str(slot)}
+        return await self._send("POST", path, params=params, data=orjson.dumps(body),
+                                headers={**self.headers, "Content-Type": "application/json"})
+
+    async def slot_action(self, slot: int, action: str, filename: str | None = None) -> SlotAction:
+        """save, restore or erase. A failure is an answer (ok False), never an exception: a cache miss must only
+        cost a prefill."""
+        payload = {"filename": filename} if filename is not None else {}
+        started = time.perf_counter()
+        try:
+            async with self.session.post(f"{self.url}/slots/{slot}", params={"action": action},
+                                         data=orjson.dumps(payload), timeout=self.timeout,
+                                         headers={**self.headers, "Content-Type": "application/json"}) as resp:
+                raw = await resp.read()
+                status = resp.status
+        except (aiohttp.ClientError, TimeoutError) as e:
+            return SlotAction(False, 0, {"error": f"{type(e).__name__}: {e}"}, _ms(started))
+        try:
+            doc = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            doc = {"error": raw.decode("utf-8", "replace")[:500]}
+        if not isinstance(doc, dict):
+            doc = {"error": str(doc)[:500]}
+        return SlotAction(status == 200, status, doc, _ms(started))
+
+    async def get_json(self, path: str) -> Any:
+        """GET a small JSON document (/props, /slots, /health). Raises BackendUnreachable or BackendError."""
+        resp = await self._send("GET", path, headers=self.headers, timeout=self.short_timeout)
+        async with resp:
+            raw = await resp.read()
+            if resp.status != 200:
+                message, kind = error_message(resp.status, raw)
+                raise BackendError(message, status=resp.status, type=kind)
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError as e:
+            raise BackendError(f"{path} did not answer JSON", status=502) from e
+
+    async def total_slots(self) -> int:
+        props = await self.get_json("/props")
+        n = props.get("total_slots") if isinstance(props, dict) else None
+        if not isinstance(n, int) or n < 1:
+            raise BackendError("/props has no total_slots", status=502)
+        return n
+
+    async def forward(self, method: str, path_qs: str, headers: Mapping[str, str], body: bytes
+                      ) -> aiohttp.ClientResponse:
+        """Pass any other request through unchanged (hop-by-hop headers aside; the API key, when lpcache has one,
+        replaces the client's)."""
+        out = {k: v for k, v in headers.items() if k.lower() not in HOP_HEADERS}
+        if self.headers:
+            out = {k: v for k, v in out.items() if k.lower() != "authorization"} | self.headers
+        return await self._send(method, path_qs, data=body or None, headers=out, auto_decompress=False)
+
+    async def _send(self, method: str, path: str, *, timeout: aiohttp.ClientTimeout | None = None,
+                    **kwargs: Any) -> aiohttp.ClientResponse:
+        try:
+            return await self.session.request(method, self.url + path, timeout=timeout or self.timeout,
+                                              allow_redirects=False, **kwargs)
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            raise BackendUnreachable(f"backend {self.url} unreachable: {type(e).__name__}: {e}",
+                                     code="backend_unreachable") from e
+
+
+def _ms(started: float) -> float:
+    return (time.perf_counter() - started) * 1000.0

@@ -1,0 +1,221 @@
+"""The way of a chat request through lpcache, one short step per method:
+
+    parse -> prompt (key, blocks) -> find a saved cache -> take a slot -> restore? -> dispatch -> relay
+    ... after the client has its answer: save? -> meta index -> release the slot -> observers
+
+A cache miss, a failed restore or a failed save only ever costs a prefill: the request itself does not fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.types import ASGIApp
+
+from .backends import Backend
+from .config import Settings
+from .errors import BackendError, BadRequest, ProxyError, SlotsBusy
+from .index import Candidate, MetaEntry, MetaIndex
+from .llama import error_message
+from .prefix import Prompt
+from .record import Observer, RequestRecord
+from .relay import JsonRelay, SseRelay
+from .slots import Choice, Content, SlotPool
+
+log = logging.getLogger("lpcache.pipeline")
+
+
+def parse_chat_body(raw: bytes) -> dict[str, Any]:
+    """The request body as a dict, or the error the client should see: 422 for a body that is not JSON, 400 for
+    JSON that is not a chat request."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise BadRequest(f"request body is not valid JSON: {e}", status=422, code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object", code="invalid_body")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty array", code="invalid_messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise BadRequest(f"messages[{i}] must be an object", code="invalid_messages")
+        if not isinstance(m.get("role"), str):
+            raise BadRequest(f"messages[{i}].role must be a string", code="invalid_messages")
+        content = m.get("content")
+        if content is not None and not isinstance(content, str | list):
+            raise BadRequest(f"messages[{i}].content must be a string or an array of parts", code="invalid_messages")
+    if "model" in body and not isinstance(body["model"], str):
+        raise BadRequest("'model' must be a string", code="invalid_model")
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise BadRequest("'stream' must be true or false", code="invalid_stream")
+    return body
+
+
+class Pipeline:
+    def __init__(self, settings: Settings, backends: Sequence[Backend], pool: SlotPool, index: MetaIndex,
+                 observers: Sequence[Observer] = ()) -> None:
+        self.settings = settings
+        self.backends = list(backends)
+        self.pool = pool
+        self.index = index
+        self.observers = list(observers)
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    # ---- the steps ----
+
+    async def chat(self, request: Request, record: RequestRecord) -> ASGIApp:
+        started = time.perf_counter()
+        body = parse_chat_body(await request.body())
+        model = body.get("model") or self.settings.model_id
+        stream = bool(body.get("stream"))
+        prompt = Prompt.of(model, body["messages"], self.settings.words_per_block)
+        big = prompt.n_words > self.settings.big_threshold_words
+        record.model, record.stream, record.key, record.n_words, record.big = (
+            model, stream, prompt.key, prompt.n_words, big)
+        if big:
+            body["cache_prompt"] = True
+
+        candidate = self.find_saved(prompt) if big else None
+        choice = await self.take_slot(prompt, candidate, record)
+        backend = self.backends[choice.slot.backend]
+        try:
+            if choice.restore is not None:
+                await self.restore(choice, record)
+            record.cache_hit = bool(record.restored) or choice.resident > 0
+            upstream = await backend.client.chat(body, choice.slot.id)
+            if upstream.status != 200:
+                async with upstream:
+                    raw = await upstream.read()
+                message, kind = error_message(upstream.status, raw)
+                raise BackendError(message, status=upstream.status, type=kind or "backend_error",
+                                   code=upstream.status)
+        except BaseException as e:
+            record.reason = _reason(e)
+            self.pool.release(choice.slot, None if choice.restore is not None else True)
+            raise
+
+        def finish(delivered: bool) -> None:
+            self.spawn(self.after(choice, backend, prompt, big, delivered, record))
+
+        headers = [(b"x-lpcache-slot", f"{backend.index}:{choice.slot.id}".encode()),
+                   (b"x-lpcache-restored", b"true" if record.restored else b"false"),
+                   (b"x-lpcache-cache-hit", b"true" if record.cache_hit else b"false")]
+        if stream:
+            return SseRelay(upstream, record, finish, self.settings.stream_queue_size, started, headers)
+        return JsonRelay(upstream, record, finish, headers)
+
+    def find_saved(self, prompt: Prompt) -> Candidate | None:
+        """The saved cache sharing the longest prefix with the prompt, restorable on some backend."""
+        readers = [b for b in self.backends if b.kv_cache]
+        if not readers:
+            return None
+
+        def usable(e: MetaEntry) -> bool:
+            return any(e.readable_by(b.url, b.config.slot_save_path) for b in readers)
+
+        candidate = self.index.find(prompt, usable, self.settings.lcp_th)
+        if candidate is not None:
+            log.info("restore_candidate key=%s shared_blocks=%d of=%d ratio=%.3f", candidate.entry.key[:16],
+                     candidate.shared, len(prompt.chain), candidate.ratio)
+        return candidate
+
+    async def take_slot(self, prompt: Prompt, candidate: Candidate | None, record: RequestRecord) -> Choice:
+        try:
+            choice = await self.pool.acquire(prompt, candidate)
+        except SlotsBusy:
+            record.reason = "slot_timeout"
+            raise
+        record.backend, record.slot = self.backends[choice.slot.backend].url, choice.slot.id
+        return choice
+
+    async def restore(self, choice: Choice, record: RequestRecord) -> None:
+        """Load the saved cache into the slot. On failure llama-server clears the slot; a meta whose file is gone
+        is dropped. Either way the request goes on."""
+        assert choice.restore is not None
+        entry, slot = choice.restore.entry, choice.slot
+        result = await self.backends[slot.backend].client.slot_action(slot.id, "restore", entry.key)
+        record.restore_ms = result.ms
+        record.restored = result.ok
+        log.info("restore_before_chat key=%s slot=%s ok=%s n_restored=%s ms=%.1f%s", entry.key[:16], slot.name,
+                 str(result.ok).lower(), result.body.get("n_restored"), result.ms,
+                 "" if result.ok else f" reason={result.error!r}")
+        if result.ok:
+            slot.content = Content(entry.key, entry.chain, saved=True)
+            await self.index.touch(entry.key)
+        else:
+            slot.content = None
+            await self.index.discard_if_stale(entry.key)
+
+    async def after(self, choice: Choice, backend: Backend, prompt: Prompt, big: bool, delivered: bool,
+                    record: RequestRecord) -> None:
+        """After the client has its answer: save a big prompt's cache, record it, release the slot, tell the
+        observers. Runs even when the client left mid-stream: the prompt's cache is still worth keeping."""
+        content: Content | None = Content(prompt.key, prompt.chain)
+        try:
+            if big and backend.kv_cache:
+                content = await self.save(choice, backend, prompt, record)
+        except Exception:  # never leave the slot locked
+            log.exception("save_crashed key=%s", prompt.key[:16])
+            content = None
+        finally:
+            self.pool.release(choice.slot, content)
+            self.notify(record)
+
+    async def save(self, choice: Choice, backend: Backend, prompt: Prompt, record: RequestRecord) -> Content:
+        slot = choice.slot
+        attempts = 1 + self.settings.save_retries
+        for attempt in range(1, attempts + 1):
+            result = await backend.client.slot_action(slot.id, "save", prompt.key)
+            if result.ok:
+                record.saved, record.save_ms = True, result.ms
+                log.info("slot_saved key=%s slot=%s n_saved=%s bytes=%s ms=%.1f", prompt.key[:16], slot.name,
+                         result.body.get("n_saved"), result.body.get("n_written"), result.ms)
+                await self.index.add(prompt, backend.url, backend.config.slot_save_path)
+                return Content(prompt.key, prompt.chain, saved=True)
+            log.warning("slot_save_failed key=%s slot=%s attempt=%d/%d status=%s reason=%r", prompt.key[:16],
+                        slot.name, attempt, attempts, result.status, result.error)
+            if attempt < attempts:
+                await asyncio.sleep(self.settings.save_retry_delay_ms / 1000.0)
+        record.saved = False
+        record.reason = record.reason or "save_failed"
+        # The server writes in place: a failed save may have left a partial file under this key.
+        await self.index.forget(prompt.key, backend.config.slot_save_path)
+        return Content(prompt.key, prompt.chain)
+
+    # ---- plumbing ----
+
+    def notify(self, record: RequestRecord) -> None:
+        record.elapsed_ms = (time.time() - record.started) * 1000.0
+        for observer in self.observers:
+            try:
+                observer(record)
+            except Exception:
+                log.exception("observer %r failed", observer)
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run bookkeeping in the background, and keep it referenced until done (see `drain`)."""
+        task = asyncio.ensure_future(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def drain(self, timeout: float) -> None:
+        """At shutdown: let running saves finish, within `timeout` seconds."""
+        if self.tasks:
+            log.info("waiting for %d background save(s)", len(self.tasks))
+            await asyncio.wait(set(self.tasks), timeout=timeout)
+
+
+def _reason(e: BaseException) -> str:
+    if isinstance(e, BackendError):
+        return f"provider_http_{e.status}"
+    if isinstance(e, ProxyError):
+        return {502: "backend_unreachable", 503: "slot_timeout"}.get(e.status, "backend_error")
+    return "cancelled" if isinstance(e, asyncio.CancelledError) else "internal_error"
+

@@ -1,0 +1,93 @@
+"""Prefix hashing: pure functions from a chat request to the words, blocks and keys the cache is organised by.
+
+The raw prefix is the message contents joined by newlines, roles left out, text parts of content arrays taken in
+order. Its `\\w+` words, lower-cased, are cut into blocks of `words_per_block` words; each whole block is hashed
+with SHA-256 (a trailing partial block is not: it would never match the same prompt with a few more words).
+
+For lookups, each block list also gets a *chain*: chain[i] is a 64-bit digest of blocks[0..i], so two prompts share
+their first n blocks exactly when their chains agree at n-1. An index keyed by chain digests finds the longest
+shared prefix with one dict lookup per block, whatever the number of entries.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+_WORD = re.compile(r"\w+")
+
+
+def content_text(content: Any) -> str:
+    """The text of one message's content: a string, or the text parts of an array of parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(
+            part["text"] for part in content
+            if isinstance(part, dict) and isinstance(part.get("text"), str)
+        )
+    return ""
+
+
+def raw_prefix(messages: Sequence[Any]) -> str:
+    """The message contents joined by newlines, roles stripped."""
+    return "\n".join(content_text(m.get("content")) for m in messages if isinstance(m, dict))
+
+
+def words(text: str) -> list[str]:
+    """The `\\w+` words of the text, lower-cased."""
+    return _WORD.findall(text.lower())
+
+
+def block_hashes(word_list: Sequence[str], words_per_block: int) -> list[str]:
+    """SHA-256 (hex) of each whole block of `words_per_block` words, joined by single spaces."""
+    full = len(word_list) - len(word_list) % words_per_block
+    return [
+        hashlib.sha256(" ".join(word_list[i:i + words_per_block]).encode()).hexdigest()
+        for i in range(0, full, words_per_block)
+    ]
+
+
+def cache_key(model_id: str, raw: str) -> str:
+    """sha256(model_id + "\\n" + raw_prefix): the name of a cache's meta and KV files."""
+    return hashlib.sha256(f"{model_id}\n{raw}".encode()).hexdigest()
+
+
+def chain(blocks: Sequence[str]) -> tuple[int, ...]:
+    """chain[i] = 64-bit digest of blocks[0..i]: equal chains at i mean equal first i+1 blocks."""
+    out = []
+    prev = b""
+    for block in blocks:
+        prev = hashlib.blake2b(prev + bytes.fromhex(block), digest_size=8).digest()
+        out.append(int.from_bytes(prev, "big"))
+    return tuple(out)
+
+
+def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """Length of the longest common prefix of two sequences (of block hashes or chain digests)."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """What the cache knows of one chat request: its key, word count, block hashes and chain."""
+
+    model: str
+    key: str
+    n_words: int
+    blocks: tuple[str, ...]
+    chain: tuple[int, ...]
+
+    @classmethod
+    def of(cls, model: str, messages: Sequence[Any], words_per_block: int) -> Prompt:
+        raw = raw_prefix(messages)
+        word_list = words(raw)
+        blocks = block_hashes(word_list, words_per_block)
+        return cls(model, cache_key(model, raw), len(word_list), tuple(blocks), chain(blocks))

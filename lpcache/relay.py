@@ -1,0 +1,242 @@
+"""Passing a backend's answer to the client: a JSON body, or an SSE stream byte for byte.
+
+A stream is read by a background task into a queue of STREAM_QUEUE_SIZE chunks, so a slow client slows the reader
+(backpressure) instead of growing memory. The response watches for the client leaving; when it does, the upstream
+is closed (llama-server then stops generating) and the bookkeeping still runs. `finish` is called exactly once, after
+the client has the whole answer (or has gone), never before: the client never waits for a save.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import aiohttp
+import orjson
+from starlette.types import Message, Receive, Scope, Send
+
+from .errors import ProxyError
+from .record import RequestRecord
+
+log = logging.getLogger("lpcache.relay")
+
+_END = object()
+
+Headers = Sequence[tuple[bytes, bytes]]
+Finish = Callable[[bool], None]  # called once with: did the client get the backend's whole answer?
+
+
+def _headers(content_type: bytes) -> list[tuple[bytes, bytes]]:
+    return [(b"content-type", content_type)]
+
+
+def error_body(err: ProxyError) -> bytes:
+    return orjson.dumps(err.body())
+
+
+class _ClientWatch:
+    """Watches the ASGI receive channel; when the client goes away, it cancels the task sending the answer
+    (cheaper than racing every chunk against a disconnect event). `left()` turns that cancellation back into a
+    plain "the client is gone"."""
+
+    def __init__(self, receive: Receive) -> None:
+        self.gone = False
+        self._main = asyncio.current_task()
+        self._task = asyncio.ensure_future(self._watch(receive))
+
+    async def _watch(self, receive: Receive) -> None:
+        while True:
+            message: Message = await receive()
+            if message["type"] == "http.disconnect":
+                self.gone = True
+                if self._main is not None:
+                    self._main.cancel()
+                return
+
+    def left(self) -> bool:
+        """Call in `except CancelledError`: True (and the cancellation undone) when the client left."""
+        if self.gone and self._main is not None:
+            self._main.uncancel()
+            return True
+        return False
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+
+class JsonRelay:
+    """Reads a JSON completion, then sends it unchanged. A 200 whose body is not a JSON object becomes a 502."""
+
+    def __init__(self, upstream: aiohttp.ClientResponse, record: RequestRecord, finish: Finish,
+                 headers: Headers = ()) -> None:
+        self.upstream = upstream
+        self.record = record
+        self.finish = finish
+        self.headers = list(headers)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        delivered = False
+        watch = _ClientWatch(receive)
+        try:
+            raw = await self.upstream.read()
+            status, body = 200, raw
+            try:
+                doc = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                doc = None
+            if isinstance(doc, dict):
+                self.record.take_usage(doc)
+            else:
+                err = ProxyError("backend answered a body that is not a JSON object", status=502,
+                                 type="backend_error", code="provider_non_object")
+                self.record.reason = "provider_non_object"
+                status, body = err.status, error_body(err)
+            self.record.status = status
+            self.record.bytes_out = len(body)
+            await send({"type": "http.response.start", "status": status,
+                        "headers": [*_headers(b"application/json"), (b"content-length", str(len(body)).encode()),
+                                    *self.headers]})
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+            delivered = status == 200
+        except asyncio.CancelledError:
+            if not watch.left():
+                raise
+            self.record.reason = "client_disconnected"
+        except (aiohttp.ClientError, TimeoutError) as e:
+            self.record.reason = "backend_unreachable"
+            await _send_error(send, ProxyError(f"backend failed while answering: {type(e).__name__}: {e}",
+                                               status=502, type="backend_unreachable"), self.record)
+        finally:
+            watch.stop()
+            self.upstream.release()
+            self.finish(delivered)
+
+
+class SseRelay:
+    """Streams SSE chunks exactly as the backend sent them, noting the time to the first chunk and the `usage` and
+    `timings` of the last events on the way."""
+
+    def __init__(self, upstream: aiohttp.ClientResponse, record: RequestRecord, finish: Finish,
+                 queue_size: int, started: float, headers: Headers = ()) -> None:
+        self.headers = list(headers)
+        self.upstream = upstream
+        self.record = record
+        self.finish = finish
+        self.queue: asyncio.Queue[object] = asyncio.Queue(maxsize=queue_size)
+        self.started = started
+        self._tail = b""
+        self.failure: BaseException | None = None
+
+    async def _read(self) -> None:
+        """The background reader: upstream chunks into the queue, then the end marker."""
+        try:
+            async for chunk in self.upstream.content.iter_any():
+                if self.record.ttft_ms is None:
+                    self.record.ttft_ms = (time.perf_counter() - self.started) * 1000.0
+                self._scan(chunk)
+                await self.queue.put(chunk)
+        except (aiohttp.ClientError, TimeoutError) as e:
+            self.failure = e
+        finally:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.queue.put(_END)
+
+    def _scan(self, chunk: bytes) -> None:
+        """Parse only the complete events that carry usage or timings (the last ones), not every token."""
+        if b"\n\n" not in chunk and b"\r\n\r\n" not in chunk:
+            self._tail += chunk
+            return
+        events = (self._tail + chunk).replace(b"\r\n", b"\n").split(b"\n\n")
+        self._tail = events.pop()
+        for event in events:
+            if b'"timings"' in event or b'"usage"' in event:
+                for line in event.split(b"\n"):
+                    if line.startswith(b"data:"):
+                        try:
+                            doc = orjson.loads(line[5:])
+                        except orjson.JSONDecodeError:
+                            continue
+                        if isinstance(doc, dict):
+                            self.record.take_usage(doc)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        delivered = False
+        watch = _ClientWatch(receive)
+        reader = asyncio.ensure_future(self._read())
+        headers = [(b"content-type", self.upstream.headers.get("Content-Type", "text/event-stream").encode()),
+                   (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"), *self.headers]
+        self.record.status = 200
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            while True:
+                chunk = await self.queue.get()
+                if chunk is _END:
+                    break
+                self.record.bytes_out += len(chunk)  # type: ignore[arg-type]
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if self.failure is not None:
+                # Bytes already went out: end the stream with a well-formed error event, never a hang.
+                self.record.reason = "backend_unreachable"
+                event = b"data: " + orjson.dumps({"error": {
+                    "message": f"backend stream broke: {type(self.failure).__name__}: {self.failure}",
+                    "type": "backend_unreachable", "code": 502}}) + b"\n\n"
+                self.record.bytes_out += len(event)
+                await send({"type": "http.response.body", "body": event, "more_body": False})
+                return
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            delivered = True
+        except asyncio.CancelledError:
+            if not watch.left():
+                raise
+            self.record.reason = "client_disconnected"
+        finally:
+            watch.stop()
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+            self.upstream.release() if delivered else self.upstream.close()
+            self.finish(delivered)
+
+
+async def _send_error(send: Send, err: ProxyError, record: RequestRecord) -> None:
+    body = error_body(err)
+    record.status = err.status
+    record.bytes_out = len(body)
+    with contextlib.suppress(Exception):
+        await send({"type": "http.response.start", "status": err.status,
+                    "headers": [*_headers(b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class PassThrough:
+    """Any other route: the backend's status, headers and body, streamed as they come, no slot involved."""
+
+    def __init__(self, upstream: aiohttp.ClientResponse, record: RequestRecord) -> None:
+        self.upstream = upstream
+        self.record = record
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        from .llama import HOP_HEADERS
+
+        headers = [(k.lower().encode(), v.encode()) for k, v in self.upstream.headers.items()
+                   if k.lower() not in HOP_HEADERS or k.lower() == "content-length"]
+        self.record.status = self.upstream.status
+        watch = _ClientWatch(receive)
+        try:
+            await send({"type": "http.response.start", "status": self.upstream.status, "headers": headers})
+            async for chunk in self.upstream.content.iter_any():
+                self.record.bytes_out += len(chunk)
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not watch.left():
+                raise
+            self.record.reason = "client_disconnected"
+        except (aiohttp.ClientError, TimeoutError):
+            self.record.reason = "backend_unreachable"
+        finally:
+            watch.stop()
+            self.upstream.close()

