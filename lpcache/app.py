@@ -125,6 +125,7 @@ def create_app(settings: Settings) -> Starlette:
             pool = SlotPool([s for b in backends for s in b.slots()], settings.slot_wait_timeout)
             app.state.pipeline = Pipeline(settings, backends, pool, index, observers=[log_record])
             app.state.started = time.time()
+            app.state.loop = asyncio.get_running_loop()
             log.info("app_start version=%s backends=%s slots=%d meta_entries=%d %s", __version__,
                      ",".join(f"{b.url}({b.n_slots})" for b in backends), len(pool.slots), loaded,
                      describe(settings))

@@ -90,11 +90,13 @@ def entry_from_document(key: str, doc: object) -> MetaEntry:
         raise ValueError("blocks is not a list of SHA-256 hex digests")
     if not isinstance(timestamp, int | float):
         raise ValueError("timestamp is not a number")
+    n_words = doc.get("n_words", 0)
+    if not isinstance(n_words, int):
+        raise ValueError("n_words is not an integer")
     backend = doc.get("backend")
     path = doc.get("slot_save_path")
     return MetaEntry(
-        key=key, model=model, wpb=wpb, chain=chain(blocks), timestamp=float(timestamp),
-        n_words=int(doc.get("n_words") or 0),
+        key=key, model=model, wpb=wpb, chain=chain(blocks), timestamp=float(timestamp), n_words=n_words,
         backend=backend if isinstance(backend, str) else None,
         slot_save_path=path if isinstance(path, str) else None,
     )

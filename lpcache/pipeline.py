@@ -205,6 +205,11 @@ class Pipeline:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
+    async def settle(self) -> None:
+        """Wait until no bookkeeping runs (tests, benchmarks): every save done, every slot released."""
+        while self.tasks:
+            await asyncio.wait(set(self.tasks))
+
     async def drain(self, timeout: float) -> None:
         """At shutdown: let running saves finish, within `timeout` seconds."""
         if self.tasks:

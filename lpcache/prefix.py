@@ -17,7 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-_WORD = re.compile(r"\w+")
+# \w plus the combining marks, as Rust's Unicode \w has them: "cafe\u0301" stays one word.
+_WORD = re.compile(r"(?:\w|[\u0300-\u036f\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe20-\ufe2f])+")
 
 
 def content_text(content: Any) -> str:

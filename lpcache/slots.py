@@ -122,7 +122,10 @@ class SlotPool:
         self._waiters.append(waiter)
         self._hand_out()
         try:
-            return await asyncio.wait_for(asyncio.shield(waiter.future), self.wait_timeout)
+            # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancel that lands just as the slot is
+            # handed over, and the cancelled caller would keep a slot it never releases.
+            async with asyncio.timeout(self.wait_timeout):
+                return await asyncio.shield(waiter.future)
         except (TimeoutError, asyncio.CancelledError) as e:
             if waiter in self._waiters:
                 self._waiters.remove(waiter)

@@ -156,7 +156,9 @@ class LlamaServer(_Process):
             argv += ["--slot-save-path", slot_save_path]
         if cache_ram is not None:
             argv += ["--cache-ram", str(cache_ram)]
-        self._start(argv, None, timeout)
+        libs = os.path.dirname(binary)
+        env = {**os.environ, "LD_LIBRARY_PATH": os.pathsep.join(filter(None, [libs, os.environ.get("LD_LIBRARY_PATH")]))}
+        self._start(argv, env, timeout)
 
 
 class LpcacheProcess(_Process):

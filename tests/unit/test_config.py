@@ -1,0 +1,390 @@
+"""Settings: defaults, precedence, checks, BACKENDS, and the command line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import lpcache
+from lpcache.config import OPTIONS, BackendConfig, Settings, build_parser, load_settings
+from lpcache.errors import ConfigError
+
+SPEC_ENV_TO_FLAG = {
+    "BACKENDS": "--backends",
+    "LLAMA_URL": "--llama-url",
+    "N_SLOTS": "--n-slots",
+    "WORDS_PER_BLOCK": "--words-per-block",
+    "BIG_THRESHOLD_WORDS": "--big-threshold-words",
+    "LCP_TH": "--lcp-th",
+    "META_DIR": "--meta-dir",
+    "META_MAX": "--meta-max",
+    "SLOT_SAVE_PATH": "--slot-save-path",
+    "REQUEST_TIMEOUT": "--request-timeout",
+    "MODEL_ID": "--model-id",
+    "PORT": "--port",
+    "LLAMA_API_KEY": "--api-key",
+    "LOG_LEVEL": "--log-level",
+    "STREAM_QUEUE_SIZE": "--stream-queue-size",
+    "SAVE_RETRIES": "--save-retries",
+    "SAVE_RETRY_DELAY_MS": "--save-retry-delay-ms",
+}
+
+# A valid value for every option, used to check that the parser accepts every flag.
+VALID = {
+    "BACKENDS": '[{"url": "http://h:1"}]',
+    "LLAMA_URL": "http://h:2",
+    "N_SLOTS": "3",
+    "WORDS_PER_BLOCK": "7",
+    "BIG_THRESHOLD_WORDS": "9",
+    "LCP_TH": "0.5",
+    "META_DIR": "/tmp/m",
+    "META_MAX": "4",
+    "SLOT_SAVE_PATH": "/tmp/s",
+    "REQUEST_TIMEOUT": "12",
+    "MODEL_ID": "mm",
+    "HOST": "127.0.0.1",
+    "PORT": "9999",
+    "LLAMA_API_KEY": "secret",
+    "LOG_LEVEL": "ERROR",
+    "STREAM_QUEUE_SIZE": "2",
+    "SAVE_RETRIES": "5",
+    "SAVE_RETRY_DELAY_MS": "10",
+    "SLOT_WAIT_TIMEOUT": "30",
+}
+
+
+def load(argv=(), **env: str) -> Settings:
+    return load_settings(list(argv), env)
+
+
+def config_error(argv=(), **env: str) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        load(argv, **env)
+    return info.value
+
+
+# ---- defaults ----
+
+def test_defaults_match_the_spec() -> None:
+    s = load()
+    assert s.words_per_block == 100
+    assert s.big_threshold_words == 500
+    assert s.lcp_th == 0.1
+    assert s.meta_dir == "./kv_meta"
+    assert s.meta_max == 10
+    assert s.request_timeout == 600
+    assert s.model_id == "llama.cpp"
+    assert s.port == 8081
+    assert s.host == "0.0.0.0"
+    assert s.stream_queue_size == 16
+    assert s.save_retries == 3
+    assert s.save_retry_delay_ms == 1000
+    assert s.n_slots == 1
+    assert s.llama_api_key is None
+    assert s.log_level == "INFO"
+    assert s.backends == (BackendConfig("http://127.0.0.1:8000", None, None, True),)
+    assert s.slot_save_paths == ()
+    assert all(source == "default" for source in s.sources.values())
+
+
+def test_load_settings_ignores_the_process_environment_when_given_one(monkeypatch) -> None:
+    monkeypatch.setenv("PORT", "1234")
+    assert load().port == 8081
+    assert load_settings([], None).port == 1234
+
+
+# ---- precedence ----
+
+@pytest.mark.parametrize(
+    ("env", "flag", "flag_value", "env_value", "attr", "expected_flag", "expected_env"),
+    [
+        ("PORT", "--port", "9001", "9002", "port", 9001, 9002),
+        ("META_MAX", "--meta-max", "3", "4", "meta_max", 3, 4),
+        ("LCP_TH", "--lcp-th", "0.25", "0.75", "lcp_th", 0.25, 0.75),
+        ("MODEL_ID", "--model-id", "flag-model", "env-model", "model_id", "flag-model", "env-model"),
+        ("META_DIR", "--meta-dir", "/f", "/e", "meta_dir", "/f", "/e"),
+        ("WORDS_PER_BLOCK", "--words-per-block", "11", "22", "words_per_block", 11, 22),
+        ("LLAMA_API_KEY", "--api-key", "kf", "ke", "llama_api_key", "kf", "ke"),
+        ("STREAM_QUEUE_SIZE", "--stream-queue-size", "1", "2", "stream_queue_size", 1, 2),
+    ],
+)
+def test_flag_over_env_over_default(env, flag, flag_value, env_value, attr, expected_flag, expected_env) -> None:
+    default = getattr(load(), attr)
+    assert default not in (expected_flag, expected_env)
+    from_env = load(**{env: env_value})
+    assert getattr(from_env, attr) == expected_env
+    assert from_env.sources[env] == "env"
+    from_flag = load([flag, flag_value], **{env: env_value})
+    assert getattr(from_flag, attr) == expected_flag
+    assert from_flag.sources[env] == "flag"
+    assert getattr(load([flag, flag_value]), attr) == expected_flag
+
+
+def test_flag_wins_even_when_env_value_is_invalid() -> None:
+    assert load(["--port", "9000"], PORT="not a port").port == 9000
+
+
+def test_invalid_flag_value_is_an_error_even_with_a_valid_env() -> None:
+    assert config_error(["--port", "0"], PORT="9000").variable == "PORT"
+
+
+# ---- options and flags ----
+
+def test_every_option_has_an_env_name_and_a_flag() -> None:
+    envs = [o.env for o in OPTIONS]
+    flags = [o.flag for o in OPTIONS]
+    assert len(set(envs)) == len(envs)
+    assert len(set(flags)) == len(flags)
+    for o in OPTIONS:
+        assert o.env and o.env == o.env.upper()
+        assert o.flag.startswith("--") and len(o.flag) > 2
+        assert o.help
+
+
+def test_spec_variables_have_the_spec_flags() -> None:
+    by_env = {o.env: o.flag for o in OPTIONS}
+    for env, flag in SPEC_ENV_TO_FLAG.items():
+        assert by_env.get(env) == flag, env
+
+
+def test_parser_accepts_every_flag() -> None:
+    assert set(VALID) == {o.env for o in OPTIONS}
+    parser = build_parser()
+    for o in OPTIONS:
+        ns = parser.parse_args([o.flag, VALID[o.env]])
+        assert getattr(ns, o.env) == VALID[o.env]
+        assert load([o.flag, VALID[o.env]]).sources[o.env] == "flag"
+    argv = [arg for o in OPTIONS for arg in (o.flag, VALID[o.env])]
+    s = load(argv)
+    assert all(source == "flag" for source in s.sources.values())
+    assert s.port == 9999 and s.host == "127.0.0.1" and s.slot_wait_timeout == 30
+
+
+def test_every_option_from_env() -> None:
+    s = load(**VALID)
+    assert all(source == "env" for source in s.sources.values())
+    assert s.backends == (BackendConfig("http://h:1"),)  # BACKENDS wins over LLAMA_URL / SLOT_SAVE_PATH
+    assert (s.n_slots, s.words_per_block, s.big_threshold_words, s.lcp_th) == (3, 7, 9, 0.5)
+    assert (s.meta_dir, s.meta_max, s.request_timeout, s.model_id) == ("/tmp/m", 4, 12.0, "mm")
+    assert (s.host, s.port, s.llama_api_key, s.log_level) == ("127.0.0.1", 9999, "secret", "ERROR")
+    assert (s.stream_queue_size, s.save_retries, s.save_retry_delay_ms, s.slot_wait_timeout) == (2, 5, 10, 30.0)
+
+
+def test_blank_api_key_means_no_auth() -> None:
+    assert load(LLAMA_API_KEY="   ").llama_api_key is None
+
+
+# ---- BACKENDS ----
+
+def test_backends_valid_array() -> None:
+    raw = (
+        '[{"url": "http://a:8000/", "n_slots": 4, "slot_save_path": "/kv/a"},'
+        ' {"url": "https://b:9000", "kv_cache": false},'
+        ' {"url": "http://c:1", "n_slots": 2, "slot_save_path": "/kv/a", "kv_cache": true}]'
+    )
+    s = load(BACKENDS=raw, LLAMA_URL="http://ignored:1", SLOT_SAVE_PATH="/ignored")
+    assert s.backends == (
+        BackendConfig("http://a:8000", 4, "/kv/a", True),
+        BackendConfig("https://b:9000", None, None, False),
+        BackendConfig("http://c:1", 2, "/kv/a", True),
+    )
+    assert s.slot_save_paths == ("/kv/a",)
+
+
+def test_backends_missing_n_slots_is_none() -> None:
+    s = load(["--backends", '[{"url": "http://a:1"}]'], N_SLOTS="5")
+    assert s.backends[0].n_slots is None
+    assert s.backends[0].kv_cache is True
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        "not json",
+        "{",
+        '{"url": "http://a:1"}',
+        '"http://a:1"',
+        "[]",
+        "[1]",
+        '["http://a:1"]',
+        '[{"n_slots": 2}]',
+        '[{"url": 5}]',
+        '[{"url": "ftp://a:1"}]',
+        '[{"url": "a:1"}]',
+        '[{"url": "http://"}]',
+        '[{"url": "http://a:1", "n_slots": 0}]',
+        '[{"url": "http://a:1", "n_slots": -1}]',
+        '[{"url": "http://a:1", "n_slots": "2"}]',
+        '[{"url": "http://a:1", "n_slots": true}]',
+        '[{"url": "http://a:1", "n_slots": 1.5}]',
+        '[{"url": "http://a:1", "kv_cache": "yes"}]',
+        '[{"url": "http://a:1", "kv_cache": 1}]',
+        '[{"url": "http://a:1", "slot_save_path": 3}]',
+        '[{"url": "http://a:1"}, {"url": "nope"}]',
+    ],
+)
+def test_backends_invalid(raw: str) -> None:
+    err = config_error(BACKENDS=raw)
+    assert err.variable == "BACKENDS"
+    assert str(err).startswith("BACKENDS: ")
+    assert config_error(["--backends", raw]).variable == "BACKENDS"
+
+
+# ---- single-backend fallback ----
+
+def test_fallback_backend_from_llama_url_and_slot_save_path() -> None:
+    s = load(LLAMA_URL="http://10.0.0.1:8080/", SLOT_SAVE_PATH="/kv")
+    assert s.backends == (BackendConfig("http://10.0.0.1:8080", None, "/kv", True),)
+    assert s.slot_save_paths == ("/kv",)
+
+
+def test_fallback_n_slots_only_when_explicit() -> None:
+    assert load().backends[0].n_slots is None
+    assert load(N_SLOTS="1").backends[0].n_slots == 1
+    assert load(N_SLOTS="3").backends[0].n_slots == 3
+    assert load(["--n-slots", "2"]).backends[0].n_slots == 2
+    assert load(["--n-slots", "2"], N_SLOTS="3").backends[0].n_slots == 2
+
+
+def test_fallback_blank_slot_save_path_is_unset() -> None:
+    s = load(SLOT_SAVE_PATH="  ")
+    assert s.backends[0].slot_save_path is None
+    assert s.slot_save_paths == ()
+
+
+@pytest.mark.parametrize("url", ["127.0.0.1:8000", "ftp://h", "http://", ""])
+def test_bad_llama_url(url: str) -> None:
+    assert config_error(LLAMA_URL=url).variable == "LLAMA_URL"
+
+
+def test_slot_save_paths_dedupes_in_order() -> None:
+    s = Settings(backends=(
+        BackendConfig("http://a:1", slot_save_path="/x"),
+        BackendConfig("http://b:1"),
+        BackendConfig("http://c:1", slot_save_path="/y"),
+        BackendConfig("http://d:1", slot_save_path="/x"),
+    ))
+    assert s.slot_save_paths == ("/x", "/y")
+
+
+# ---- invalid values ----
+
+@pytest.mark.parametrize(
+    ("env", "value"),
+    [
+        ("STREAM_QUEUE_SIZE", "0"),
+        ("STREAM_QUEUE_SIZE", "-3"),
+        ("META_MAX", "-1"),
+        ("LCP_TH", "-0.1"),
+        ("LCP_TH", "1.5"),
+        ("LCP_TH", "abc"),
+        ("LCP_TH", "nan"),
+        ("PORT", "0"),
+        ("PORT", "65536"),
+        ("PORT", "http"),
+        ("REQUEST_TIMEOUT", "0"),
+        ("REQUEST_TIMEOUT", "-5"),
+        ("LOG_LEVEL", "loud"),
+        ("WORDS_PER_BLOCK", "0"),
+        ("N_SLOTS", "0"),
+        ("N_SLOTS", "two"),
+        ("SAVE_RETRIES", "-1"),
+        ("SAVE_RETRY_DELAY_MS", "-1"),
+        ("BIG_THRESHOLD_WORDS", "-1"),
+        ("SLOT_WAIT_TIMEOUT", "0"),
+        ("MODEL_ID", "  "),
+    ],
+)
+def test_invalid_value_names_its_variable(env: str, value: str) -> None:
+    err = config_error(**{env: value})
+    assert err.variable == env
+    assert err.problem
+    assert str(err) == f"{env}: {err.problem}"
+
+
+@pytest.mark.parametrize(
+    ("env", "value", "attr", "expected"),
+    [
+        ("LCP_TH", "0", "lcp_th", 0.0),
+        ("LCP_TH", "1", "lcp_th", 1.0),
+        ("PORT", "1", "port", 1),
+        ("PORT", "65535", "port", 65535),
+        ("META_MAX", "0", "meta_max", 0),
+        ("SAVE_RETRIES", "0", "save_retries", 0),
+        ("BIG_THRESHOLD_WORDS", "0", "big_threshold_words", 0),
+        ("REQUEST_TIMEOUT", "0.5", "request_timeout", 0.5),
+        ("STREAM_QUEUE_SIZE", " 1 ", "stream_queue_size", 1),
+    ],
+)
+def test_boundary_values_accepted(env: str, value: str, attr: str, expected) -> None:
+    assert getattr(load(**{env: value}), attr) == expected
+
+
+# ---- log level ----
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("trace", "DEBUG"), ("warn", "WARNING"), ("Warning", "WARNING"), ("debug", "DEBUG"), ("error", "ERROR"),
+     (" info ", "INFO"), ("CRITICAL", "CRITICAL")],
+)
+def test_log_level_names(value: str, expected: str) -> None:
+    assert load(LOG_LEVEL=value).log_level == expected
+    assert load(["--log-level", value]).log_level == expected
+
+
+def test_rust_log_overrides_log_level_env() -> None:
+    s = load(LOG_LEVEL="error", RUST_LOG="debug")
+    assert s.log_level == "DEBUG"
+    assert load(RUST_LOG="warn").log_level == "WARNING"
+
+
+def test_rust_log_does_not_override_the_flag() -> None:
+    assert load(["--log-level", "error"], LOG_LEVEL="info", RUST_LOG="debug").log_level == "ERROR"
+
+
+def test_rust_log_that_is_not_a_plain_level_is_ignored() -> None:
+    assert load(LOG_LEVEL="error", RUST_LOG="lpcache=debug,tower=info").log_level == "ERROR"
+    assert load(RUST_LOG="").log_level == "INFO"
+
+
+# ---- the command line ----
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.isupper() or k in ("PATH", "HOME", "PYTHONPATH", "LANG")}
+    env["COLUMNS"] = "100"
+    return subprocess.run([sys.executable, "-m", "lpcache", *args], capture_output=True, text=True, timeout=60,
+                          env=env)
+
+
+def test_cli_bad_value_exits_2_with_one_line() -> None:
+    r = run_cli("--lcp-th", "2")
+    assert r.returncode == 2
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1, r.stderr
+    assert "LCP_TH" in lines[0]
+    assert r.stdout == ""
+
+
+def test_cli_version() -> None:
+    r = run_cli("-V")
+    assert r.returncode == 0
+    assert lpcache.__version__ == "0.1.0"
+    assert r.stdout.strip() == f"lpcache {lpcache.__version__}" == "lpcache 0.1.0"
+    assert run_cli("--version").stdout.strip() == "lpcache 0.1.0"
+
+
+def test_cli_help_mentions_every_variable_and_flag() -> None:
+    r = run_cli("-h")
+    assert r.returncode == 0
+    for o in OPTIONS:
+        assert o.env in r.stdout, o.env
+        assert o.flag in r.stdout, o.flag
+
+
+def test_help_text_in_process_mentions_every_variable() -> None:
+    text = " ".join(build_parser().format_help().split())
+    for o in OPTIONS:
+        assert f"env {o.env}," in text, o.env

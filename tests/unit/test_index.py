@@ -1,0 +1,567 @@
+"""MetaIndex: meta files, LRU pruning, longest-prefix lookups."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import orjson
+import pytest
+
+from lpcache.index import Candidate, MetaEntry, MetaIndex, entry_from_document, meta_document, write_atomic
+from lpcache.prefix import Prompt
+
+URL = "http://backend:8000"
+
+
+def text(n: int, start: int = 0, tag: str = "w") -> str:
+    return " ".join(f"{tag}{i}" for i in range(start, start + n))
+
+
+def prompt(content: str, wpb: int = 2, model: str = "m") -> Prompt:
+    return Prompt.of(model, [{"role": "user", "content": content}], wpb)
+
+
+def read_meta(index: MetaIndex, key: str) -> dict:
+    with open(os.path.join(index.meta_dir, key + ".meta.json"), "rb") as f:
+        return orjson.loads(f.read())
+
+
+def meta_exists(index: MetaIndex, key: str) -> bool:
+    return os.path.exists(os.path.join(index.meta_dir, key + ".meta.json"))
+
+
+def exists(path: str) -> bool:
+    return os.path.exists(path)
+
+
+def kv_file(folder, key: str) -> str:
+    path = os.path.join(str(folder), key)
+    with open(path, "wb") as f:
+        f.write(b"kv")
+    return path
+
+
+@pytest.fixture
+def make_index(tmp_path):
+    made: list[MetaIndex] = []
+
+    def make(wpb: int = 2, meta_max: int = 0, slot_save_paths=(), meta_dir=None) -> MetaIndex:
+        idx = MetaIndex(str(meta_dir or tmp_path / "meta"), wpb, meta_max, [str(p) for p in slot_save_paths])
+        made.append(idx)
+        return idx
+
+    yield make
+    for idx in made:
+        idx._io.shutdown(wait=True)
+
+
+@pytest.fixture
+def folders(tmp_path):
+    a, b = tmp_path / "kvA", tmp_path / "kvB"
+    a.mkdir()
+    b.mkdir()
+    return str(a), str(b)
+
+
+# ---- add / load ----
+
+async def test_add_writes_meta_file(make_index) -> None:
+    idx = make_index(wpb=2)
+    idx.load()
+    p = prompt(text(7))
+    before = time.time()
+    removed = await idx.add(p, URL, "/kv")
+    after = time.time()
+    assert removed == []
+    assert p.key in idx and len(idx) == 1
+    doc = read_meta(idx, p.key)
+    assert doc["blocks"] == list(p.blocks) and len(doc["blocks"]) == 3
+    assert doc["model_id"] == "m"
+    assert doc["wpb"] == 2
+    assert before <= doc["timestamp"] <= after
+    assert doc["n_words"] == 7
+    assert doc["backend"] == URL and doc["slot_save_path"] == "/kv"
+    assert doc["key"] == p.key
+    entry = idx.get(p.key)
+    assert entry is not None
+    assert (entry.model, entry.wpb, entry.chain, entry.n_words) == ("m", 2, p.chain, 7)
+    assert entry.timestamp == doc["timestamp"]
+
+
+async def test_add_is_atomic_no_temp_file_left(make_index) -> None:
+    idx = make_index()
+    p1, p2 = prompt(text(4)), prompt(text(4, tag="x"))
+    await idx.add(p1, URL, None)
+    await idx.add(p2, URL, None)
+    await idx.add(p1, URL, None)  # overwrite
+    names = sorted(os.listdir(idx.meta_dir))
+    assert names == sorted([p1.key + ".meta.json", p2.key + ".meta.json"])
+    assert not any(".tmp-" in n for n in names)
+
+
+def test_write_atomic_replaces_content(tmp_path) -> None:
+    path = str(tmp_path / "f.meta.json")
+    write_atomic(path, b"one")
+    write_atomic(path, b"two")
+    assert open(path, "rb").read() == b"two"
+    assert os.listdir(tmp_path) == ["f.meta.json"]
+
+
+async def test_load_round_trips(make_index, tmp_path) -> None:
+    first = make_index(wpb=2)
+    first.load()
+    pa, pb = prompt(text(6)), prompt(text(8, tag="y"), model="other")
+    await first.add(pa, URL, "/kv/a")
+    await first.add(pb, None, None)
+    await first.close()
+
+    second = make_index(wpb=2)
+    assert second.load() == 2
+    assert len(second) == 2
+    for p in (pa, pb):
+        old, new = first.get(p.key), second.get(p.key)
+        assert new is not None
+        assert (new.key, new.model, new.wpb, new.chain, new.timestamp, new.n_words, new.backend,
+                new.slot_save_path) == (old.key, old.model, old.wpb, old.chain, old.timestamp, old.n_words,
+                                        old.backend, old.slot_save_path)
+    found = second.find(prompt(text(10)))
+    assert found is not None and found.entry.key == pa.key and found.shared == 3
+
+
+async def test_load_orders_lru_by_timestamp(make_index, tmp_path) -> None:
+    meta = tmp_path / "meta"
+    meta.mkdir()
+    old, young = prompt(text(4)), prompt(text(4, tag="x"))
+    (meta / f"{young.key}.meta.json").write_bytes(orjson.dumps(meta_document(young, 2, 200.0, URL, None)))
+    (meta / f"{old.key}.meta.json").write_bytes(orjson.dumps(meta_document(old, 2, 100.0, URL, None)))
+    idx = make_index(wpb=2, meta_max=2)
+    assert idx.load() == 2
+    third = prompt(text(4, tag="z"))
+    removed = await idx.add(third, URL, None)
+    assert [e.key for e in removed] == [old.key]
+    assert young.key in idx and third.key in idx and old.key not in idx
+
+
+def test_load_creates_missing_meta_dir(make_index, tmp_path) -> None:
+    idx = make_index(meta_dir=tmp_path / "deep" / "meta")
+    assert idx.load() == 0
+    assert os.path.isdir(tmp_path / "deep" / "meta")
+
+
+def test_load_skips_corrupt_and_foreign_files_and_removes_leftovers(make_index, tmp_path) -> None:
+    meta = tmp_path / "meta"
+    meta.mkdir()
+    good = prompt(text(4))
+    (meta / f"{good.key}.meta.json").write_bytes(orjson.dumps(meta_document(good, 2, 1.0, URL, None)))
+    (meta / "corrupt.meta.json").write_bytes(b"{not json at all")
+    (meta / "binary.meta.json").write_bytes(b"\xff\xfe\x00garbage")
+    (meta / "empty.meta.json").write_bytes(b"")
+    (meta / "array.meta.json").write_bytes(b"[1, 2, 3]")
+    (meta / "null.meta.json").write_bytes(b"null")
+    (meta / "foreign.meta.json").write_bytes(b'{"hello": "world"}')
+    (meta / "types.meta.json").write_bytes(b'{"model_id": 5, "wpb": "2", "blocks": "abc", "timestamp": "x"}')
+    (meta / "noblocks.meta.json").write_bytes(b'{"model_id": "m", "wpb": 2}')
+    (meta / "badwpb.meta.json").write_bytes(orjson.dumps({"model_id": "m", "wpb": 0, "blocks": []}))
+    (meta / "shortblocks.meta.json").write_bytes(orjson.dumps({"model_id": "m", "wpb": 2, "blocks": ["ab"]}))
+    (meta / "badtime.meta.json").write_bytes(
+        orjson.dumps({"model_id": "m", "wpb": 2, "blocks": list(good.blocks), "timestamp": "yesterday"}))
+    (meta / "nothex.meta.json").write_bytes(orjson.dumps({"model_id": "m", "wpb": 2, "blocks": ["z" * 64]}))
+    (meta / "dir.meta.json").mkdir()
+    leftover = meta / f"{good.key}.meta.json.tmp-123"
+    leftover.write_bytes(b'{"partial')
+    (meta / "notes.txt").write_bytes(b"not a meta file")
+
+    idx = make_index(wpb=2)
+    assert idx.load() == 1
+    assert len(idx) == 1 and good.key in idx
+    assert not leftover.exists()
+    assert (meta / "notes.txt").exists()
+    assert idx.find(prompt(text(6))).entry.key == good.key
+
+
+def test_load_skips_meta_with_wrong_type_n_words(make_index, tmp_path) -> None:
+    meta = tmp_path / "meta"
+    meta.mkdir()
+    good = prompt(text(4))
+    (meta / f"{good.key}.meta.json").write_bytes(orjson.dumps(meta_document(good, 2, 1.0, URL, None)))
+    doc = meta_document(prompt(text(4, tag="x")), 2, 1.0, URL, None)
+    doc["n_words"] = [1, 2]
+    (meta / "foreign.meta.json").write_bytes(orjson.dumps(doc))
+    idx = make_index(wpb=2)
+    assert idx.load() == 1
+    assert good.key in idx and "foreign" not in idx
+
+
+def test_entry_from_document_accepts_legacy_model_field() -> None:
+    p = prompt(text(4))
+    entry = entry_from_document("k", {"model": "m", "wpb": 2, "blocks": list(p.blocks)})
+    assert entry.model == "m" and entry.chain == p.chain and entry.timestamp == 0.0
+    assert entry.backend is None and entry.slot_save_path is None
+
+
+# ---- find ----
+
+async def test_find_prefers_longest_shared_prefix_over_ratio(make_index) -> None:
+    idx = make_index(wpb=2)
+    query = prompt(text(16))                              # 8 blocks
+    long_conv = prompt(text(12) + " " + text(4, tag="z"))  # 8 blocks, shares 6
+    system = prompt(text(4))                               # 2 blocks, all shared (its own ratio 1.0)
+    await idx.add(long_conv, URL, None)
+    await idx.add(system, URL, None)  # newer, and does not make long_conv redundant
+    assert len(idx) == 2
+    c = idx.find(query)
+    assert isinstance(c, Candidate)
+    assert c.entry.key == long_conv.key
+    assert c.shared == 6
+    assert c.ratio == pytest.approx(6 / 8)
+
+    c2 = idx.find(query, usable=lambda e: e.key != long_conv.key)
+    assert c2 is not None and c2.entry.key == system.key
+    assert c2.shared == 2 and c2.ratio == pytest.approx(2 / 8)
+    assert idx.find(query, usable=lambda e: False) is None
+
+
+async def test_find_longest_wins_whatever_the_insertion_order(make_index) -> None:
+    idx = make_index(wpb=2)
+    short = prompt(text(4) + " " + text(2, tag="s"))  # shares 2 blocks with the query
+    long_ = prompt(text(10) + " " + text(2, tag="l"))  # shares 5
+    await idx.add(short, URL, None)
+    await idx.add(long_, URL, None)
+    c = idx.find(prompt(text(20)))
+    assert c is not None and c.entry.key == long_.key and c.shared == 5
+    assert c.ratio == pytest.approx(0.5)
+
+
+async def test_find_exact_and_extended_prompt(make_index) -> None:
+    idx = make_index(wpb=5)
+    p = prompt(text(50), wpb=5)
+    await idx.add(p, URL, None)
+    same = idx.find(p)
+    assert same is not None and same.shared == 10 and same.ratio == 1.0
+    longer = idx.find(prompt(text(53), wpb=5))
+    assert longer is not None and longer.ratio == 1.0  # the partial trailing block is not counted
+    longer2 = idx.find(prompt(text(55), wpb=5))
+    assert longer2 is not None and longer2.shared == 10 and longer2.ratio == pytest.approx(10 / 11)
+
+
+async def test_find_threshold(make_index) -> None:
+    idx = make_index(wpb=2)
+    entry = prompt(text(2) + " x y")  # shares 1 block
+    await idx.add(entry, URL, None)
+    query = prompt(text(20))  # 10 blocks
+    c = idx.find(query, threshold=0.1)
+    assert c is not None and c.shared == 1 and c.ratio == pytest.approx(0.1)
+    assert idx.find(query, threshold=0.11) is None
+    assert idx.find(query, threshold=1.0) is None
+    assert idx.find(query, threshold=0.0) is not None
+
+
+async def test_find_threshold_applies_to_the_usable_entry(make_index) -> None:
+    idx = make_index(wpb=2)
+    deep = prompt(text(12) + " x y")  # shares 6 of 10
+    shallow = prompt(text(2) + " q r")  # shares 1 of 10
+    await idx.add(deep, URL, None)
+    await idx.add(shallow, URL, None)
+    query = prompt(text(20))
+    assert idx.find(query, threshold=0.5).entry.key == deep.key
+    assert idx.find(query, usable=lambda e: e.key != deep.key, threshold=0.5) is None
+    assert idx.find(query, usable=lambda e: e.key != deep.key, threshold=0.1).entry.key == shallow.key
+
+
+async def test_find_no_shared_block(make_index) -> None:
+    idx = make_index(wpb=2)
+    await idx.add(prompt(text(10)), URL, None)
+    assert idx.find(prompt(text(10, tag="other"))) is None
+    assert idx.find(prompt("one")) is None  # no whole block at all
+
+
+async def test_find_model_mismatch(make_index) -> None:
+    idx = make_index(wpb=2)
+    await idx.add(prompt(text(10), model="m1"), URL, None)
+    assert idx.find(prompt(text(10), model="m2")) is None
+    assert idx.find(prompt(text(10), model="m1")) is not None
+
+
+async def test_find_ignores_entries_of_another_wpb(make_index, tmp_path) -> None:
+    meta = tmp_path / "meta"
+    meta.mkdir()
+    p = prompt(text(10), wpb=2)
+    # Same blocks as the prompt, but written by an instance using another WORDS_PER_BLOCK.
+    (meta / f"{p.key}.meta.json").write_bytes(orjson.dumps(meta_document(p, 5, 1.0, URL, None)))
+    idx = make_index(wpb=2)
+    assert idx.load() == 1
+    assert p.key in idx and idx.get(p.key).wpb == 5
+    assert idx.find(p) is None
+    # A new save of the same key with the right wpb is found.
+    await idx.add(p, URL, None)
+    assert idx.get(p.key).wpb == 2
+    assert idx.find(p).entry.key == p.key
+
+
+async def test_find_tie_goes_to_most_recent(make_index) -> None:
+    idx = make_index(wpb=2)
+    a = prompt(text(4) + " a1 a2")
+    b = prompt(text(4) + " b1 b2")
+    await idx.add(a, URL, None)
+    await idx.add(b, URL, None)
+    idx.get(a.key).timestamp = idx.get(b.key).timestamp + 10
+    c = idx.find(prompt(text(8)))
+    assert c.entry.key == a.key and c.shared == 2
+
+
+# ---- pruning ----
+
+async def test_meta_max_prunes_least_recently_used_with_kv_files(make_index, folders, tmp_path) -> None:
+    a_dir, b_dir = folders
+    idx = make_index(wpb=2, meta_max=2, slot_save_paths=[a_dir, b_dir])
+    p1, p2, p3 = (prompt(text(4, tag=t)) for t in "abc")
+    await idx.add(p1, URL, a_dir)
+    await idx.add(p2, URL, a_dir)
+    kv1 = [kv_file(a_dir, p1.key), kv_file(b_dir, p1.key)]
+    kv2 = kv_file(a_dir, p2.key)
+    other = kv_file(a_dir, "unrelated")
+    removed = await idx.add(p3, URL, a_dir)
+    assert [e.key for e in removed] == [p1.key]
+    assert p1.key not in idx and p2.key in idx and p3.key in idx
+    assert not meta_exists(idx, p1.key)
+    assert meta_exists(idx, p2.key) and meta_exists(idx, p3.key)
+    assert not any(exists(k) for k in kv1)
+    assert exists(kv2) and exists(other)
+    assert idx.find(prompt(text(4, tag="a"))) is None
+
+
+async def test_prune_removes_kv_file_from_the_entry_folder(make_index, tmp_path) -> None:
+    own = tmp_path / "own"
+    own.mkdir()
+    idx = make_index(wpb=2, meta_max=1)  # no configured folders: the entry's own folder is used
+    p1, p2 = prompt(text(4, tag="a")), prompt(text(4, tag="b"))
+    await idx.add(p1, URL, str(own))
+    kv = kv_file(own, p1.key)
+    await idx.add(p2, URL, str(own))
+    assert not exists(kv)
+    assert list(idx._entries) == [p2.key]
+
+
+async def test_meta_max_prunes_several(make_index) -> None:
+    idx = make_index(wpb=2, meta_max=3)
+    ps = [prompt(text(4, tag=f"t{i}_")) for i in range(6)]
+    for p in ps:
+        await idx.add(p, URL, None)
+    assert len(idx) == 3
+    assert [k for k in ps if k.key in idx] == ps[3:]
+    assert sorted(os.listdir(idx.meta_dir)) == sorted(p.key + ".meta.json" for p in ps[3:])
+
+
+async def test_meta_max_zero_is_unlimited(make_index) -> None:
+    idx = make_index(wpb=2, meta_max=0)
+    ps = [prompt(text(4, tag=f"t{i}_")) for i in range(15)]
+    for p in ps:
+        assert await idx.add(p, URL, None) == []
+    assert len(idx) == 15
+    assert len(os.listdir(idx.meta_dir)) == 15
+
+
+async def test_touch_makes_entry_most_recent(make_index, folders) -> None:
+    a_dir, _ = folders
+    idx = make_index(wpb=2, meta_max=2, slot_save_paths=[a_dir])
+    p1, p2, p3 = (prompt(text(4, tag=t)) for t in "abc")
+    await idx.add(p1, URL, a_dir)
+    await idx.add(p2, URL, a_dir)
+    kv1, kv2 = kv_file(a_dir, p1.key), kv_file(a_dir, p2.key)
+    await idx.touch(p1.key)
+    removed = await idx.add(p3, URL, a_dir)
+    assert [e.key for e in removed] == [p2.key]
+    assert p1.key in idx and p2.key not in idx
+    assert exists(kv1) and not exists(kv2)
+
+
+async def test_touch_rewrites_timestamp(make_index, tmp_path) -> None:
+    meta = tmp_path / "meta"
+    meta.mkdir()
+    p = prompt(text(6))
+    (meta / f"{p.key}.meta.json").write_bytes(orjson.dumps(meta_document(p, 2, 1.0, URL, "/kv")))
+    idx = make_index(wpb=2)
+    idx.load()
+    assert idx.get(p.key).timestamp == 1.0
+    before = time.time()
+    await idx.touch(p.key)
+    entry = idx.get(p.key)
+    assert entry.timestamp >= before
+    doc = read_meta(idx, p.key)
+    assert doc["timestamp"] == entry.timestamp
+    assert doc["blocks"] == list(p.blocks) and doc["slot_save_path"] == "/kv" and doc["wpb"] == 2
+    assert not any(".tmp-" in n for n in os.listdir(meta))
+
+
+async def test_touch_unknown_key_is_harmless(make_index) -> None:
+    idx = make_index()
+    await idx.touch("nope")
+    assert len(idx) == 0
+
+
+async def test_touched_order_survives_reload(make_index, tmp_path) -> None:
+    first = make_index(wpb=2, meta_max=2)
+    p1, p2, p3 = (prompt(text(4, tag=t)) for t in "abc")
+    await first.add(p1, URL, None)
+    await first.add(p2, URL, None)
+    await first.touch(p1.key)
+    await first.close()
+    second = make_index(wpb=2, meta_max=2)
+    second.load()
+    removed = await second.add(p3, URL, None)
+    assert [e.key for e in removed] == [p2.key]
+
+
+# ---- redundant entries ----
+
+async def test_add_extending_chain_removes_older_entry(make_index, folders) -> None:
+    a_dir, _ = folders
+    idx = make_index(wpb=2, slot_save_paths=[a_dir])
+    old = prompt(text(6))
+    new = prompt(text(10))
+    await idx.add(old, URL, a_dir)
+    kv_old = kv_file(a_dir, old.key)
+    removed = await idx.add(new, URL, a_dir)
+    assert [e.key for e in removed] == [old.key]
+    assert old.key not in idx and new.key in idx
+    assert not meta_exists(idx, old.key) and not exists(kv_old)
+    assert idx.find(prompt(text(6))).entry.key == new.key
+
+
+async def test_add_extending_chain_keeps_older_entry_in_another_folder_or_backend(make_index, folders) -> None:
+    a_dir, b_dir = folders
+    idx = make_index(wpb=2, slot_save_paths=[a_dir, b_dir])
+    old_a = prompt(text(6))
+    old_b = prompt(text(6) + " !")  # same words, another key
+    await idx.add(old_a, URL, a_dir)
+    await idx.add(old_b, "http://other:1", None)
+    kv_a = kv_file(a_dir, old_a.key)
+    removed = await idx.add(prompt(text(10)), URL, b_dir)
+    assert removed == []
+    assert old_a.key in idx and old_b.key in idx and len(idx) == 3
+    assert exists(kv_a)
+
+
+async def test_add_diverging_chain_keeps_older_entry(make_index) -> None:
+    idx = make_index(wpb=2)
+    old = prompt(text(6))
+    await idx.add(old, URL, None)
+    removed = await idx.add(prompt(text(4) + " x y z q"), URL, None)  # shares 2 of old's 3 blocks
+    assert removed == []
+    assert old.key in idx
+
+
+async def test_add_shorter_prefix_keeps_longer_entry(make_index) -> None:
+    idx = make_index(wpb=2)
+    long_ = prompt(text(10))
+    await idx.add(long_, URL, None)
+    short = prompt(text(4))
+    assert await idx.add(short, URL, None) == []
+    assert long_.key in idx and short.key in idx
+
+
+async def test_add_same_key_replaces_entry(make_index) -> None:
+    idx = make_index(wpb=2, meta_max=2)
+    p1, p2 = prompt(text(4, tag="a")), prompt(text(4, tag="b"))
+    await idx.add(p1, URL, None)
+    await idx.add(p2, URL, None)
+    assert await idx.add(p1, "http://new:1", "/new") == []
+    assert len(idx) == 2
+    assert idx.get(p1.key).backend == "http://new:1"
+    assert read_meta(idx, p1.key)["slot_save_path"] == "/new"
+    removed = await idx.add(prompt(text(4, tag="c")), URL, None)
+    assert [e.key for e in removed] == [p2.key]  # p1 was re-saved, so p2 is the oldest
+
+
+# ---- stale entries and failed saves ----
+
+async def test_discard_if_stale_removes_meta_when_kv_file_missing(make_index, folders) -> None:
+    a_dir, b_dir = folders
+    idx = make_index(wpb=2, slot_save_paths=[a_dir, b_dir])
+    p = prompt(text(6))
+    await idx.add(p, URL, a_dir)
+    assert await idx.discard_if_stale(p.key) is True
+    assert p.key not in idx and not meta_exists(idx, p.key)
+    assert idx.find(p) is None
+    assert await idx.discard_if_stale(p.key) is False
+
+
+async def test_discard_if_stale_keeps_meta_when_kv_file_exists(make_index, folders) -> None:
+    a_dir, b_dir = folders
+    idx = make_index(wpb=2, slot_save_paths=[a_dir, b_dir])
+    p = prompt(text(6))
+    await idx.add(p, URL, a_dir)
+    kv_file(b_dir, p.key)  # visible in another known folder
+    assert await idx.discard_if_stale(p.key) is False
+    assert p.key in idx and meta_exists(idx, p.key)
+    os.unlink(os.path.join(b_dir, p.key))
+    kv = kv_file(a_dir, p.key)
+    assert await idx.discard_if_stale(p.key) is False
+    assert p.key in idx and exists(kv)
+
+
+async def test_discard_if_stale_keeps_meta_when_folder_not_visible(make_index, tmp_path) -> None:
+    remote = str(tmp_path / "remote-only")
+    idx = make_index(wpb=2, slot_save_paths=[remote])
+    p = prompt(text(6))
+    await idx.add(p, URL, remote)
+    assert await idx.discard_if_stale(p.key) is False
+    assert p.key in idx and meta_exists(idx, p.key)
+
+
+async def test_discard_if_stale_keeps_meta_without_any_folder(make_index) -> None:
+    idx = make_index(wpb=2)
+    p = prompt(text(6))
+    await idx.add(p, URL, None)
+    assert await idx.discard_if_stale(p.key) is False
+    assert p.key in idx
+
+
+async def test_discard_if_stale_uses_configured_folders_for_entry_without_path(make_index, folders) -> None:
+    a_dir, _ = folders
+    idx = make_index(wpb=2, slot_save_paths=[a_dir])
+    p = prompt(text(6))
+    await idx.add(p, URL, None)
+    assert await idx.discard_if_stale(p.key) is True
+    assert p.key not in idx
+
+
+async def test_forget_deletes_meta_and_kv_file(make_index, folders) -> None:
+    a_dir, b_dir = folders
+    idx = make_index(wpb=2, slot_save_paths=[a_dir, b_dir])
+    p = prompt(text(6))
+    await idx.add(p, URL, a_dir)
+    kv = kv_file(a_dir, p.key)
+    await idx.forget(p.key, a_dir)
+    assert p.key not in idx and not meta_exists(idx, p.key) and not exists(kv)
+    assert idx.find(p) is None
+
+
+async def test_forget_unknown_key_deletes_partial_kv_file(make_index, folders) -> None:
+    a_dir, _ = folders
+    idx = make_index(wpb=2)
+    idx.load()
+    kv = kv_file(a_dir, "partial")
+    await idx.forget("partial", a_dir)
+    await idx.forget("partial", None)
+    assert not exists(kv)
+    assert len(idx) == 0
+
+
+async def test_close_waits_for_queued_writes(make_index) -> None:
+    idx = make_index(wpb=2)
+    p = prompt(text(4))
+    await idx.add(p, URL, None)
+    await idx.close()
+    assert meta_exists(idx, p.key)
+
+
+def test_readable_by() -> None:
+    e = MetaEntry("k", "m", 2, (), 0.0, backend="http://a:1", slot_save_path="/kv")
+    assert e.readable_by("http://b:1", "/kv")
+    assert not e.readable_by("http://a:1", "/other")
+    assert e.readable_by("http://a:1", None)
+    assert not e.readable_by("http://b:1", None)
+    no_path = MetaEntry("k", "m", 2, (), 0.0, backend="http://a:1")
+    assert no_path.readable_by("http://a:1", "/kv") and not no_path.readable_by("http://b:1", "/kv")

@@ -1,0 +1,402 @@
+"""Slot choice and the slot pool: LRU choice, resident prefixes, restores, FIFO waiting, timeouts."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from lpcache.errors import ProxyError, SlotsBusy
+from lpcache.index import Candidate, MetaEntry
+from lpcache.prefix import Prompt
+from lpcache.slots import Choice, Content, Slot, SlotPool, choose
+
+A, B = "http://a:8000", "http://b:8000"
+
+
+def text(n: int, start: int = 0, tag: str = "w") -> str:
+    return " ".join(f"{tag}{i}" for i in range(start, start + n))
+
+
+def prompt(content: str, wpb: int = 1) -> Prompt:
+    return Prompt.of("m", [{"role": "user", "content": content}], wpb)
+
+
+def content_of(p: Prompt) -> Content:
+    return Content(p.key, p.chain)
+
+
+def candidate(shared: int, total: int = 10, backend: str | None = A, path: str | None = None) -> Candidate:
+    entry = MetaEntry("saved", "m", 1, prompt(text(shared)).chain, 1.0, shared, backend, path)
+    return Candidate(entry, shared, shared / total)
+
+
+def slot(backend: int = 0, id: int = 0, *, url: str = A, used: bool = False, last_used: float = 0.0,
+         content: Content | None = None, path: str | None = None, kv_cache: bool = True) -> Slot:
+    return Slot(backend, id, kv_cache=kv_cache, slot_save_path=path, url=url, used=used, last_used=last_used,
+                content=content)
+
+
+# ---- choose: LRU ----
+
+def test_choose_never_used_first() -> None:
+    s0 = slot(0, 0, used=True, last_used=1.0)
+    s1 = slot(0, 1, used=False)
+    s2 = slot(0, 2, used=True, last_used=0.5)
+    c = choose([s0, s1, s2], None, None)
+    assert c == Choice(s1, None, 0)
+
+
+def test_choose_least_recently_used() -> None:
+    s0 = slot(0, 0, used=True, last_used=3.0)
+    s1 = slot(0, 1, used=True, last_used=1.0)
+    s2 = slot(1, 0, url=B, used=True, last_used=2.0)
+    assert choose([s0, s1, s2], None, None).slot is s1
+    assert choose([s0, s2], None, None).slot is s2
+
+
+def test_choose_tie_goes_to_lowest_backend_then_id() -> None:
+    s = [slot(1, 0, url=B), slot(0, 1), slot(0, 0)]
+    assert choose(s, None, None).slot is s[2]
+    assert choose(s[:2], None, None).slot is s[1]
+
+
+def test_choose_single_idle_slot() -> None:
+    only = slot(0, 3, used=True, last_used=99.0)
+    assert choose([only], prompt(text(5)), None) == Choice(only, None, 0)
+
+
+def test_choose_ignores_content_without_prompt_blocks() -> None:
+    p = prompt(text(5))
+    holder = slot(0, 0, used=True, last_used=5.0, content=content_of(p))
+    cold = slot(0, 1, used=True, last_used=1.0)
+    assert choose([holder, cold], None, None).slot is cold
+    assert choose([holder, cold], prompt(""), None).slot is cold
+
+
+# ---- choose: resident prefix ----
+
+def test_choose_slot_holding_the_prefix_without_restore() -> None:
+    p = prompt(text(10))
+    holder = slot(0, 1, used=True, last_used=9.0, content=content_of(prompt(text(6))))
+    fresh = slot(0, 0)
+    c = choose([fresh, holder], p, None)
+    assert c == Choice(holder, None, 6)
+
+
+def test_choose_longest_resident_prefix() -> None:
+    p = prompt(text(10))
+    s3 = slot(0, 0, used=True, last_used=1.0, content=content_of(prompt(text(3) + " x")))
+    s7 = slot(0, 1, used=True, last_used=9.0, content=content_of(prompt(text(7) + " y")))
+    s0 = slot(0, 2, used=True, last_used=0.5, content=content_of(prompt(text(5, tag="z"))))
+    c = choose([s3, s7, s0], p, None)
+    assert c.slot is s7 and c.resident == 7 and c.restore is None
+
+
+def test_choose_resident_tie_goes_to_most_recently_used() -> None:
+    p = prompt(text(10))
+    older = slot(0, 0, used=True, last_used=1.0, content=content_of(prompt(text(4) + " a")))
+    newer = slot(0, 1, used=True, last_used=2.0, content=content_of(prompt(text(4) + " b")))
+    assert choose([older, newer], p, None).slot is newer
+
+
+def test_choose_resident_beats_equal_candidate() -> None:
+    p = prompt(text(10))
+    holder = slot(0, 1, used=True, last_used=5.0, content=content_of(prompt(text(4))))
+    reader = slot(0, 0)
+    cand = candidate(4)
+    c = choose([reader, holder], p, cand)
+    assert c.slot is holder and c.restore is None and c.resident == 4
+
+
+def test_choose_resident_beats_shorter_candidate() -> None:
+    p = prompt(text(10))
+    holder = slot(0, 1, used=True, last_used=5.0, content=content_of(prompt(text(4))))
+    c = choose([slot(0, 0), holder], p, candidate(2))
+    assert c.slot is holder and c.restore is None
+
+
+# ---- choose: restore ----
+
+def test_choose_restores_longer_candidate_into_coldest_reader() -> None:
+    p = prompt(text(10))
+    holder = slot(0, 0, used=True, last_used=1.0, content=content_of(prompt(text(3))))
+    warm = slot(0, 1, used=True, last_used=5.0)
+    cold = slot(0, 2, used=True, last_used=2.0)
+    cand = candidate(8)
+    c = choose([warm, cold, holder], p, cand)
+    assert c.restore is cand and c.resident == 0
+    assert c.slot is holder  # the coldest reader: last used at 1.0
+    c2 = choose([warm, cold], p, cand)
+    assert c2.slot is cold and c2.restore is cand
+
+
+def test_choose_restore_without_resident_content() -> None:
+    cand = candidate(5)
+    s0 = slot(0, 0)
+    c = choose([s0], prompt(text(10)), cand)
+    assert c == Choice(s0, cand, 0)
+
+
+def test_choose_restore_only_into_slots_reading_the_same_folder() -> None:
+    p = prompt(text(10))
+    cand = candidate(6, backend=A, path="/kv/shared")
+    other_folder = slot(0, 0, url=A, path="/kv/other")
+    same_folder = slot(1, 0, url=B, used=True, last_used=9.0, path="/kv/shared")
+    c = choose([other_folder, same_folder], p, cand)
+    assert c.slot is same_folder and c.restore is cand
+
+
+def test_choose_restore_by_backend_url_when_paths_unset() -> None:
+    p = prompt(text(10))
+    cand = candidate(6, backend=B, path=None)
+    on_a = slot(0, 0, url=A)
+    on_b = slot(1, 0, url=B, used=True, last_used=9.0)
+    c = choose([on_a, on_b], p, cand)
+    assert c.slot is on_b and c.restore is cand
+
+
+def test_choose_never_restores_into_kv_cache_disabled_slot() -> None:
+    p = prompt(text(10))
+    cand = candidate(6, backend=A, path="/kv")
+    disabled = slot(0, 0, url=A, path="/kv", kv_cache=False)
+    enabled = slot(1, 0, url=B, path="/kv", used=True, last_used=50.0)
+    c = choose([disabled, enabled], p, cand)
+    assert c.slot is enabled and c.restore is cand
+    only_disabled = choose([disabled], p, cand)
+    assert only_disabled.slot is disabled and only_disabled.restore is None
+
+
+def test_choose_no_reader_falls_back_to_resident_then_lru() -> None:
+    p = prompt(text(10))
+    cand = candidate(8, backend=B, path=None)
+    holder = slot(0, 0, url=A, used=True, last_used=5.0, content=content_of(prompt(text(3))))
+    cold = slot(0, 1, url=A, used=True, last_used=1.0)
+    c = choose([holder, cold], p, cand)
+    assert c == Choice(holder, None, 3)
+    c2 = choose([cold], p, cand)
+    assert c2 == Choice(cold, None, 0)
+
+
+def test_slot_can_read() -> None:
+    cand = candidate(3, backend=A, path="/kv")
+    assert slot(url=B, path="/kv").can_read(cand)
+    assert not slot(url=A, path="/x").can_read(cand)
+    assert slot(url=A).can_read(cand)
+    assert not slot(url=A, path="/kv", kv_cache=False).can_read(cand)
+    assert not slot().can_read(None)
+    assert slot(0, 4, url=A).name == f"{A}#4"
+
+
+# ---- the pool ----
+
+async def start_waiter(pool: SlotPool, p: Prompt | None = None, cand: Candidate | None = None) -> asyncio.Task:
+    """A task blocked in pool.acquire: `started` is set just before it calls acquire, which queues it before its
+    first suspension, so once we resume it is in the queue."""
+    started = asyncio.Event()
+
+    async def run() -> Choice:
+        started.set()
+        return await pool.acquire(p, cand)
+
+    task = asyncio.create_task(run())
+    await started.wait()
+    return task
+
+
+async def test_acquire_and_release_marks_busy() -> None:
+    s0, s1 = slot(0, 0), slot(0, 1)
+    pool = SlotPool([s0, s1])
+    c = await pool.acquire(None)
+    assert c.slot is s0 and s0.busy and s0.used and not s1.busy
+    assert pool.idle() == [s1]
+    c2 = await pool.acquire(None)
+    assert c2.slot is s1 and s1.busy
+    assert pool.idle() == []
+    pool.release(s0)
+    assert not s0.busy and s0.last_used > 0
+    pool.release(s1)
+    assert pool.idle() == [s0, s1]
+    c3 = await pool.acquire(None)
+    assert c3.slot is s0  # least recently used
+    pool.release(s0)
+    assert not any(s.busy for s in pool.slots)
+
+
+async def test_acquire_passes_prompt_and_candidate_to_choose() -> None:
+    p = prompt(text(10))
+    holder = slot(0, 1, used=True, last_used=1.0, content=content_of(prompt(text(5))))
+    pool = SlotPool([slot(0, 0), holder])
+    c = await pool.acquire(p, candidate(3))
+    assert c.slot is holder and c.resident == 5 and c.restore is None
+    pool.release(c.slot)
+    cand = candidate(9)
+    c = await pool.acquire(p, cand)
+    assert c.restore is cand and c.slot is pool.slots[0]
+    pool.release(c.slot)
+    assert not any(s.busy for s in pool.slots)
+
+
+async def test_waiters_are_served_fifo() -> None:
+    s0 = slot(0, 0)
+    pool = SlotPool([s0])
+    first = await pool.acquire(None)
+    waiters = [await start_waiter(pool) for _ in range(3)]
+    assert pool.waiting == 3
+    assert not any(t.done() for t in waiters)
+
+    for i, task in enumerate(waiters):
+        holder = first.slot if i == 0 else (await waiters[i - 1]).slot
+        pool.release(holder)
+        choice = await task
+        assert choice.slot is s0 and s0.busy
+        assert pool.waiting == 2 - i
+        assert all(not t.done() for t in waiters[i + 1:])
+    pool.release(s0)
+    assert not s0.busy and pool.waiting == 0
+
+
+async def test_two_waiters_get_both_released_slots() -> None:
+    s0, s1 = slot(0, 0), slot(0, 1)
+    pool = SlotPool([s0, s1])
+    held = [await pool.acquire(None), await pool.acquire(None)]
+    w1, w2 = await start_waiter(pool), await start_waiter(pool)
+    assert pool.waiting == 2
+    pool.release(held[0].slot)
+    pool.release(held[1].slot)
+    assert pool.waiting == 0
+    c1, c2 = await w1, await w2
+    assert {c1.slot, c2.slot} == {s0, s1} and c1.slot is not c2.slot
+    assert s0.busy and s1.busy
+    pool.release(c1.slot)
+    pool.release(c2.slot)
+    assert not any(s.busy for s in pool.slots)
+
+
+async def test_waiter_choice_uses_its_prompt() -> None:
+    p = prompt(text(10))
+    s0, s1 = slot(0, 0), slot(0, 1)
+    pool = SlotPool([s0, s1])
+    h0, h1 = await pool.acquire(None), await pool.acquire(None)
+    waiter = await start_waiter(pool, p)
+    pool.release(h1.slot, content_of(prompt(text(6))))
+    c = await waiter
+    assert c.slot is s1 and c.resident == 6
+    pool.release(h0.slot)
+    pool.release(c.slot)
+    assert not any(s.busy for s in pool.slots)
+
+
+async def test_acquire_timeout_raises_slots_busy() -> None:
+    s0 = slot(0, 0)
+    pool = SlotPool([s0], wait_timeout=0.05)
+    held = await pool.acquire(None)
+    with pytest.raises(SlotsBusy) as info:
+        await pool.acquire(prompt(text(3)))
+    err = info.value
+    assert isinstance(err, ProxyError)
+    assert err.status == 503
+    assert err.message == "all slots busy"
+    assert err.body()["error"]["message"] == "all slots busy"
+    assert pool.waiting == 0
+    pool.release(held.slot)
+    assert not s0.busy
+    again = await pool.acquire(None)
+    assert again.slot is s0
+    pool.release(s0)
+    assert not s0.busy
+
+
+async def test_cancelled_waiter_leaves_no_slot_busy() -> None:
+    s0 = slot(0, 0)
+    pool = SlotPool([s0])
+    held = await pool.acquire(None)
+    task = await start_waiter(pool)
+    assert pool.waiting == 1
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert pool.waiting == 0
+    pool.release(held.slot)
+    assert not s0.busy
+    assert (await pool.acquire(None)).slot is s0
+    pool.release(s0)
+    assert not any(s.busy for s in pool.slots)
+
+
+async def test_cancelled_waiter_does_not_block_the_next_one() -> None:
+    s0 = slot(0, 0)
+    pool = SlotPool([s0])
+    held = await pool.acquire(None)
+    gone = await start_waiter(pool)
+    nxt = await start_waiter(pool)
+    gone.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    assert pool.waiting == 1
+    pool.release(held.slot)
+    assert (await nxt).slot is s0
+    pool.release(s0)
+    assert not s0.busy and pool.waiting == 0
+
+
+async def test_waiter_cancelled_as_the_slot_is_handed_to_it_releases_the_slot() -> None:
+    """The slot is handed to the waiter, and the waiter is cancelled before it resumes: acquire must raise
+    CancelledError (the caller asked to stop) and give the slot back, not return it to a cancelled caller."""
+    s0 = slot(0, 0)
+    pool = SlotPool([s0])
+    held = await pool.acquire(None)
+    task = await start_waiter(pool)
+    pool.release(held.slot)  # hands s0 to the waiter
+    task.cancel()            # ... which is cancelled before it runs again
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not s0.busy
+    assert pool.waiting == 0
+
+
+async def test_release_content_semantics() -> None:
+    s0 = slot(0, 0)
+    pool = SlotPool([s0])
+    first, second = Content("k1", (1, 2)), Content("k2", (3,), saved=True)
+
+    await pool.acquire(None)
+    pool.release(s0, first)
+    assert s0.content is first
+
+    await pool.acquire(None)
+    pool.release(s0)  # True: unchanged
+    assert s0.content is first
+
+    await pool.acquire(None)
+    pool.release(s0, True)
+    assert s0.content is first
+
+    await pool.acquire(None)
+    pool.release(s0, second)
+    assert s0.content is second and s0.content.saved
+
+    await pool.acquire(None)
+    pool.release(s0, None)  # unknown
+    assert s0.content is None
+    assert not s0.busy
+
+
+async def test_release_of_idle_slot_is_a_no_op() -> None:
+    s0 = slot(0, 0, content=Content("k", (1,)))
+    pool = SlotPool([s0])
+    pool.release(s0, None)
+    assert s0.content == Content("k", (1,))
+    assert s0.last_used == 0.0 and not s0.busy
+
+
+async def test_release_updates_last_used_for_lru() -> None:
+    s0, s1 = slot(0, 0), slot(0, 1)
+    pool = SlotPool([s0, s1])
+    a, b = await pool.acquire(None), await pool.acquire(None)
+    assert s0.last_used == 0.0 and s1.last_used == 0.0
+    pool.release(b.slot)
+    assert s1.last_used > 0.0 and s0.last_used == 0.0
+    pool.release(a.slot)
+    assert s0.last_used >= s1.last_used > 0.0
+    assert not any(s.busy for s in pool.slots)
