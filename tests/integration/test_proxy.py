@@ -13,7 +13,8 @@ import pytest
 
 from lpcache.config import BackendConfig
 
-from .conftest import Proxy, mock_stats, user, words
+from ..conftest import Proxy, user, words
+from .conftest import mock_stats
 
 BIG = 200    # words: big with the test threshold of 50 (20 blocks of 10 words)
 SMALL = 20

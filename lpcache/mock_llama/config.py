@@ -1,0 +1,47 @@
+"""The stand-in's settings, checked once when they are made."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class MockConfig:
+    """Settings of a stand-in llama-server; every field is also a CLI flag.
+
+    ``port`` 0 lets ``start_mock`` pick a free port. ``slot_save_path`` None disables
+    every ``POST /slots/*`` with 501, as on the real server. ``faults`` is armed at start
+    (same keys as ``POST /mock/faults``).
+    """
+
+    port: int = 0
+    model: str = "mock-model"
+    host: str = "127.0.0.1"
+    slots: int = 2
+    slot_save_path: str | None = None
+    n_ctx: int = 8192
+    prefill_ms_per_token: float = 0.0
+    gen_ms_per_token: float = 0.0
+    max_tokens_default: int = 16
+    api_key: str | None = None  # comma-separated list accepted, like --api-key
+    faults: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.slots < 1:
+            raise ValueError(f"slots must be at least 1, got {self.slots}")
+        if self.n_ctx < 1:
+            raise ValueError(f"n_ctx must be at least 1, got {self.n_ctx}")
+        if self.prefill_ms_per_token < 0 or self.gen_ms_per_token < 0:
+            raise ValueError("per-token latencies must not be negative")
+        if self.max_tokens_default < 0:
+            raise ValueError(f"max_tokens_default must not be negative, got {self.max_tokens_default}")
+        if self.slot_save_path is not None and not os.path.isdir(self.slot_save_path):
+            raise ValueError(f"slot_save_path is not an existing directory: {self.slot_save_path}")
+
+    @property
+    def api_keys(self) -> frozenset[str]:
+        if not self.api_key:
+            return frozenset()
+        return frozenset(k.strip() for k in self.api_key.split(",") if k.strip())

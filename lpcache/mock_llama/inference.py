@@ -1,0 +1,191 @@
+"""Inference and token routes: chat, completions, tokenize, detokenize, apply-template."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from .api import ApiError, body_int, read_json, state_of
+from .engine import Generation, TaskParams
+from .errors import json_response
+from .faults import cut_connection
+from .shapes import ChatShape, NativeShape, Shape, TextCompletionShape, piece_text
+from .slots import wrap_slot_id
+from .state import MockState
+from .tokens import render_chat, tokenize
+
+
+class SlotStreamingResponse(StreamingResponse):
+    """A stream that gives its slot back however it ends: done, cut, or client gone."""
+
+    def __init__(self, content: AsyncIterator[bytes], release: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+
+
+def render_messages(body: dict[str, Any]) -> str:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' is required and must be a non-empty array")
+    if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+        raise ApiError(400, "every message must be an object with a string 'role'")
+    try:
+        return render_chat(messages)
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from exc
+
+
+def task_params(state: MockState, body: dict[str, Any], prompt: list[str]) -> TaskParams:
+    """Read the task's settings from the body root, as llama-server does."""
+    n_ctx = state.config.n_ctx
+    if not prompt:
+        raise ApiError(400, "the prompt is empty")
+    if len(prompt) >= n_ctx:  # no room left to generate even one token
+        message = (
+            f"request ({len(prompt)} tokens) exceeds the available context size ({n_ctx} tokens), try increasing it"
+        )
+        raise ApiError(400, message, "exceed_context_size_error", n_prompt_tokens=len(prompt), n_ctx=n_ctx)
+    n_predict = state.config.max_tokens_default
+    for key in ("max_completion_tokens", "max_tokens", "n_predict"):
+        if key in body:
+            n_predict = body_int(body, key, n_predict)
+            break
+    id_slot = body_int(body, "id_slot", -1)
+    slot_id = None if id_slot == -1 else wrap_slot_id(id_slot, state.config.slots)
+    return TaskParams(prompt, n_predict, body.get("cache_prompt") is not False, slot_id)
+
+
+def include_usage(body: dict[str, Any]) -> bool:
+    options = body.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
+
+
+def sse(event: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(event) + b"\n\n"
+
+
+async def sse_events(gen: Generation, shape: Shape) -> AsyncGenerator[bytes, None]:
+    """The stream, one event per yield so each one leaves as soon as it exists."""
+    await gen.prefill()
+    for event in shape.head(gen):
+        yield sse(event)
+    index = 0
+    async for piece in gen.tokens():
+        yield sse(shape.delta(gen, piece_text(index, piece)))
+        index += 1
+    for event in shape.tail(gen):
+        yield sse(event)
+    if shape.done_marker:
+        yield b"data: [DONE]\n\n"
+
+
+async def cut_after(events: AsyncGenerator[bytes, None], limit: int, scope: Scope) -> AsyncGenerator[bytes, None]:
+    """Pass ``limit`` events on, then drop the connection (the stream-break fault)."""
+    sent = 0
+    if limit > 0:
+        async for event in events:
+            yield event
+            sent += 1
+            if sent >= limit:
+                break
+        else:
+            return  # the stream was shorter than the limit: it ends normally
+    await events.aclose()
+    await cut_connection(scope)
+
+
+async def run_task(request: Request, params: TaskParams, shape: Shape, stream: bool) -> Response:
+    state = state_of(request)
+    gen = await Generation.start(state, params)
+    if not stream:
+        try:
+            await gen.run()
+        finally:
+            gen.release()
+        return json_response(shape.body(gen))
+    events = sse_events(gen, shape)
+    cut = state.faults.take_stream_break()
+    if cut is not None:
+        events = cut_after(events, cut, request.scope)
+    return SlotStreamingResponse(events, gen.release)
+
+
+async def chat_completions(request: Request) -> Response:
+    state = state_of(request)
+    body = await read_json(request)
+    params = task_params(state, body, tokenize(render_messages(body)))
+    shape = ChatShape(state.config.model, include_usage(body))
+    return await run_task(request, params, shape, body.get("stream") is True)
+
+
+def completion_prompt(state: MockState, body: dict[str, Any]) -> list[str]:
+    """A completion prompt: a string, or a list of token ids from /tokenize."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return tokenize(prompt)
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        pieces = [state.vocab.piece(t) for t in prompt]
+        if any(p is None for p in pieces):
+            raise ApiError(400, "invalid token in prompt")
+        return [p for p in pieces if p is not None]
+    raise ApiError(400, "'prompt' must be a string or an array of token ids")
+
+
+async def native_completion(request: Request) -> Response:
+    state = state_of(request)
+    body = await read_json(request)
+    prompt = completion_prompt(state, body)
+    shape = NativeShape(state.config.model, " ".join(prompt))
+    return await run_task(request, task_params(state, body, prompt), shape, body.get("stream") is True)
+
+
+async def v1_completions(request: Request) -> Response:
+    state = state_of(request)
+    body = await read_json(request)
+    prompt = completion_prompt(state, body)
+    shape = TextCompletionShape(state.config.model, include_usage(body))
+    return await run_task(request, task_params(state, body, prompt), shape, body.get("stream") is True)
+
+
+async def tokenize_route(request: Request) -> Response:
+    """``add_special`` is accepted and has no effect: the toy vocabulary has no BOS token."""
+    state = state_of(request)
+    body = await read_json(request)
+    content = body.get("content", "")
+    if not isinstance(content, str):
+        raise ApiError(400, "'content' must be a string")
+    pieces = tokenize(content)
+    ids = state.vocab.ids(pieces)
+    if body.get("with_pieces") is True:
+        return json_response({"tokens": [{"id": i, "piece": p} for i, p in zip(ids, pieces, strict=True)]})
+    return json_response({"tokens": ids})
+
+
+async def detokenize_route(request: Request) -> Response:
+    state = state_of(request)
+    tokens = (await read_json(request)).get("tokens", [])
+    if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+        raise ApiError(400, "'tokens' must be an array of token ids")
+    pieces = (state.vocab.piece(t) for t in tokens)
+    return json_response({"content": " ".join(p for p in pieces if p is not None)})
+
+
+async def apply_template(request: Request) -> Response:
+    return json_response({"prompt": render_messages(await read_json(request))})
+
+
+async def input_tokens(request: Request) -> Response:
+    return json_response({"input_tokens": len(tokenize(render_messages(await read_json(request))))})

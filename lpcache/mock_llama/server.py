@@ -1,0 +1,165 @@
+"""The app factory: routes, API key check, fault layer and the error envelope."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from starlette.applications import Starlette
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from . import hooks, inference, slot_api
+from .api import ApiError, state_of
+from .config import MockConfig
+from .errors import error_response, json_response
+from .faults import FaultMiddleware, capture_transport
+from .state import MockState
+
+PUBLIC_PATHS = ("/health", "/v1/health")
+HOOK_PREFIX = "/mock/"
+
+
+class ApiKeyMiddleware:
+    """With keys configured, everything but health and the test hooks needs one of them."""
+
+    def __init__(self, app: ASGIApp, keys: frozenset[str]) -> None:
+        self.app = app
+        self.keys = keys
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.keys and not _is_public(scope["path"]):
+            headers = Headers(scope=scope)
+            auth = headers.get("authorization", "")
+            key = auth[len("Bearer ") :] if auth.startswith("Bearer ") else headers.get("x-api-key")
+            if key not in self.keys:
+                await error_response(401, "Invalid API Key")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _is_public(path: str) -> bool:
+    return path in PUBLIC_PATHS or path.startswith(HOOK_PREFIX)
+
+
+class MockApp(Starlette):
+    """Starlette, plus two things only the outermost layer can do: reach the connection's
+    transport (for the connection faults) and count every request by path."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            capture_transport(scope, send)
+            if not scope["path"].startswith(HOOK_PREFIX):
+                self.state.mock.stats.requests_by_path[scope["path"]] += 1
+        await super().__call__(scope, receive, send)
+
+
+async def health(request: Request) -> Response:
+    return json_response({"status": "ok"})
+
+
+async def models(request: Request) -> Response:
+    config = state_of(request).config
+    model = {
+        "id": config.model,
+        "object": "model",
+        "owned_by": "llamacpp",
+        "created": int(time.time()),
+        "meta": {"n_ctx": config.n_ctx, "n_ctx_train": config.n_ctx, "vocab_type": 0},
+    }
+    return json_response({"object": "list", "data": [model], "models": [{"name": config.model, "model": config.model}]})
+
+
+async def props(request: Request) -> Response:
+    config = state_of(request).config
+    return json_response(
+        {
+            "default_generation_settings": {"n_ctx": config.n_ctx, "params": {"n_predict": config.max_tokens_default}},
+            "total_slots": config.slots,
+            "model_alias": config.model,
+            "model_path": config.model,
+            "chat_template": "chatml",
+            "bos_token": "",
+            "eos_token": "<|im_end|>",
+            "endpoint_slots": True,
+            "endpoint_props": False,
+            "endpoint_metrics": False,
+            "is_sleeping": False,
+            "build_info": "mock",
+            "role": "model",
+        }
+    )
+
+
+async def api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return error_response(exc.status, exc.message, exc.type, **exc.extra)
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code in (404, 405):  # llama-server has no "method not allowed"
+        return error_response(404, "File Not Found")
+    return error_response(exc.status_code, str(exc.detail))
+
+
+async def server_error(request: Request, exc: Exception) -> Response:
+    return error_response(500, f"mock server error: {exc!r}")
+
+
+def routes() -> list[Route]:
+    post = ["POST"]
+    return [
+        Route("/health", health),
+        Route("/v1/health", health),
+        Route("/models", models),
+        Route("/v1/models", models),
+        Route("/props", props),
+        Route("/v1/chat/completions", inference.chat_completions, methods=post),
+        Route("/chat/completions", inference.chat_completions, methods=post),
+        Route("/completion", inference.native_completion, methods=post),
+        Route("/completions", inference.native_completion, methods=post),
+        Route("/v1/completions", inference.v1_completions, methods=post),
+        Route("/tokenize", inference.tokenize_route, methods=post),
+        Route("/detokenize", inference.detokenize_route, methods=post),
+        Route("/apply-template", inference.apply_template, methods=post),
+        Route("/v1/chat/completions/input_tokens", inference.input_tokens, methods=post),
+        Route("/chat/completions/input_tokens", inference.input_tokens, methods=post),
+        Route("/slots", slot_api.get_slots),
+        Route("/slots/{id_slot}", slot_api.slot_action, methods=post),
+        Route("/mock/stats", hooks.stats),
+        Route("/mock/reset-stats", hooks.reset_stats, methods=post),
+        Route("/mock/faults", hooks.faults, methods=["GET", "POST", "DELETE"]),
+        Route("/mock/slots", hooks.slots),
+        Route("/mock/wait-idle", hooks.wait_idle),
+    ]
+
+
+def create_app(config: MockConfig) -> Starlette:
+    """A stand-in llama-server for ``config``; its live state is ``app.state.mock``."""
+    state = MockState(config)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        state.loop = asyncio.get_running_loop()
+        yield
+        state.closing.set()
+
+    app = MockApp(
+        routes=routes(),
+        middleware=[
+            Middleware(ApiKeyMiddleware, keys=config.api_keys),
+            Middleware(FaultMiddleware, faults=state.faults, closing=state.closing),
+        ],
+        exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: server_error},
+        lifespan=lifespan,
+    )
+    app.state.mock = state
+    return app

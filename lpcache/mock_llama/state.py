@@ -1,0 +1,64 @@
+"""The live state of one stand-in server: slots, armed faults and counters."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import MockConfig
+from .faults import Faults
+from .slots import SlotPool
+from .tokens import Vocab
+
+
+@dataclass
+class Stats:
+    """Counters read by tests through ``GET /mock/stats``."""
+
+    chat_requests: int = 0  # inference tasks given a slot (chat and completion endpoints)
+    chat_by_slot: Counter[int] = field(default_factory=Counter)
+    prompt_tokens_computed: int = 0  # sum of prompt_n: tokens actually prefilled
+    saves: int = 0
+    restores: int = 0
+    erases: int = 0
+    save_failures: int = 0
+    restore_failures: int = 0
+    slot_actions_while_busy: int = 0  # slot actions that had to wait for their slot
+    max_concurrent_per_slot: int = 0  # must stay 1: a slot never runs two tasks at once
+    requests_by_path: Counter[str] = field(default_factory=Counter)  # /mock/* not counted
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "chat_requests": self.chat_requests,
+            "chat_by_slot": {str(k): v for k, v in sorted(self.chat_by_slot.items())},
+            "prompt_tokens_computed": self.prompt_tokens_computed,
+            "saves": self.saves,
+            "restores": self.restores,
+            "erases": self.erases,
+            "save_failures": self.save_failures,
+            "restore_failures": self.restore_failures,
+            "slot_actions_while_busy": self.slot_actions_while_busy,
+            "max_concurrent_per_slot": self.max_concurrent_per_slot,
+            "requests_by_path": dict(self.requests_by_path),
+        }
+
+
+class MockState:
+    """Everything a running stand-in knows; ``start_mock`` hands it to tests as ``app_state``."""
+
+    def __init__(self, config: MockConfig) -> None:
+        self.config = config
+        self.pool = SlotPool(config.slots, config.n_ctx)
+        self.faults = Faults()
+        self.faults.update(config.faults)
+        self.stats = Stats()
+        self.vocab = Vocab()
+        self.closing = asyncio.Event()  # set when the server stops; ends hung requests
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._task_ids = 0
+
+    def next_task_id(self) -> int:
+        self._task_ids += 1
+        return self._task_ids

@@ -1,0 +1,67 @@
+"""Shared by the integration (stand-in) and end-to-end (real llama-server) tests: lpcache in a thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import httpx
+
+from lpcache.app import create_app
+from lpcache.config import Settings
+from lpcache.pipeline import Pipeline
+from lpcache.testing import ServerThread
+
+
+class Proxy:
+    """lpcache serving in a thread; `settle()` waits until its background saves are done."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.app = create_app(settings)
+        self.server = ServerThread(self.app).start()
+        self.url = self.server.url
+        self.client = httpx.Client(base_url=self.url, timeout=60)
+        self.records: list[Any] = []
+        self._finished = threading.Condition()
+        self.pipeline.observers.append(self._observe)
+
+    def _observe(self, record: Any) -> None:
+        with self._finished:
+            self.records.append(record)
+            self._finished.notify_all()
+
+    def wait_finished(self, n: int, timeout: float = 30) -> None:
+        """Wait until `n` requests have finished (their bookkeeping done and observers told)."""
+        with self._finished:
+            assert self._finished.wait_for(lambda: len(self.records) >= n, timeout), "requests did not finish"
+
+    @property
+    def pipeline(self) -> Pipeline:
+        return self.app.state.pipeline  # type: ignore[no-any-return]
+
+    def settle(self, timeout: float = 30) -> None:
+        asyncio.run_coroutine_threadsafe(self.pipeline.settle(), self.app.state.loop).result(timeout)
+
+    def busy_slots(self) -> list[str]:
+        return [s.name for s in self.pipeline.pool.slots if s.busy]
+
+    def chat(self, messages: list[dict[str, Any]], **body: Any) -> httpx.Response:
+        return self.client.post("/v1/chat/completions", json={"messages": messages, **body})
+
+    def post(self, body: dict[str, Any]) -> httpx.Response:
+        return self.client.post("/v1/chat/completions", json=body)
+
+    def stop(self) -> None:
+        self.client.close()
+        self.server.stop()
+
+
+def words(seed: int, n: int) -> str:
+    """n distinct-looking words; different seeds share no block."""
+    return " ".join(f"w{seed}x{i}" for i in range(n))
+
+
+def user(text: str) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": text}]
