@@ -150,12 +150,7 @@ class Option:
     parse: Callable[[str], Any]
     default: str | None
     help: str
-    attr: str = ""
     metavar: str = "VALUE"
-
-    @property
-    def name(self) -> str:
-        return self.attr or self.env.lower()
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -204,9 +199,6 @@ OPTIONS: tuple[Option, ...] = (
     Option("SLOT_WAIT_TIMEOUT", "--slot-wait-timeout", _float(0.0, exclusive_min=True), "300",
            "Seconds a request waits for a free slot before it gets 503 all slots busy.", metavar="SECONDS"),
 )
-
-_BY_ENV = {o.env: o for o in OPTIONS}
-
 
 def build_parser() -> argparse.ArgumentParser:
     """The CLI: one flag per option, help written next to the option above."""

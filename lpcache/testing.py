@@ -156,8 +156,8 @@ class LlamaServer(_Process):
             argv += ["--slot-save-path", slot_save_path]
         if cache_ram is not None:
             argv += ["--cache-ram", str(cache_ram)]
-        libs = os.path.dirname(binary)
-        env = {**os.environ, "LD_LIBRARY_PATH": os.pathsep.join(filter(None, [libs, os.environ.get("LD_LIBRARY_PATH")]))}
+        libs = [os.path.dirname(binary), os.environ.get("LD_LIBRARY_PATH", "")]
+        env = {**os.environ, "LD_LIBRARY_PATH": os.pathsep.join(p for p in libs if p)}
         self._start(argv, env, timeout)
 
 

