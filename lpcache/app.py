@@ -23,7 +23,7 @@ from starlette.types import ASGIApp
 from . import __version__
 from .backends import start_backends
 from .config import Settings, describe
-from .errors import ProxyError
+from .errors import ClientGone, ProxyError
 from .index import MetaIndex
 from .pipeline import Pipeline
 from .record import RequestRecord, log_record
@@ -67,6 +67,8 @@ async def chat_completions(request: Request) -> ASGIApp:
     record = new_record(request)
     try:
         return await pipeline.chat(request, record)
+    except ClientGone:
+        return Response(status_code=499)   # nobody reads it: the connection is gone
     except ProxyError as e:
         record.status = e.status
         record.reason = record.reason or ("invalid_request" if e.status in (400, 422) else "backend_error")

@@ -23,6 +23,10 @@ class ConfigError(LpcacheError):
         self.problem = problem
 
 
+class ClientGone(LpcacheError):
+    """The client disconnected before its answer started: there is nobody to answer."""
+
+
 class ProxyError(LpcacheError):
     """An error answered to the client in OpenAI's shape."""
 

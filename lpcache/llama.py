@@ -81,15 +81,18 @@ class LlamaClient:
         self.short_timeout = aiohttp.ClientTimeout(total=min(timeout, 10.0))
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
-    async def chat(self, body: dict[str, Any], slot: int | None, path: str = CHAT_PATH) -> aiohttp.ClientResponse:
+    async def chat(self, body: dict[str, Any], slot: int | None, path: str = CHAT_PATH,
+                   client_auth: str | None = None) -> aiohttp.ClientResponse:
         """Send a chat request, pinned to `slot` when given. Returns the open response: the caller reads it (JSON
-        or SSE) and must release it."""
+        or SSE) and must release it. Without LLAMA_API_KEY, the client's own Authorization goes through, as it
+        would to llama-server directly."""
         params = None
         if slot is not None:
             pin(body, slot)
             params = {"id_slot": str(slot)}
+        auth = self.headers or ({"Authorization": client_auth} if client_auth else {})
         return await self._send("POST", path, params=params, data=orjson.dumps(body),
-                                headers={**self.headers, "Content-Type": "application/json"})
+                                headers={**auth, "Content-Type": "application/json"})
 
     async def slot_action(self, slot: int, action: str, filename: str | None = None) -> SlotAction:
         """save, restore or erase. A failure is an answer (ok False), never an exception: a cache miss must only

@@ -20,12 +20,12 @@ from starlette.types import ASGIApp
 
 from .backends import Backend
 from .config import Settings
-from .errors import BackendError, BadRequest, ProxyError, SlotsBusy
+from .errors import BackendError, BadRequest, ClientGone, ProxyError, SlotsBusy
 from .index import Candidate, MetaEntry, MetaIndex
 from .llama import error_message
 from .prefix import Prompt
 from .record import Observer, RequestRecord
-from .relay import JsonRelay, SseRelay
+from .relay import ClientWatch, JsonRelay, SseRelay
 from .slots import Choice, Content, SlotPool
 
 log = logging.getLogger("lpcache.pipeline")
@@ -71,6 +71,8 @@ class Pipeline:
     # ---- the steps ----
 
     async def chat(self, request: Request, record: RequestRecord) -> ASGIApp:
+        """Serve one chat request; returns the ASGI app that relays the answer. Raises ProxyError for an error
+        answer, ClientGone when the client left before the answer started (its record is already told)."""
         started = time.perf_counter()
         body = parse_chat_body(await request.body())
         model = body.get("model") or self.settings.model_id
@@ -82,20 +84,49 @@ class Pipeline:
         if big:
             body["cache_prompt"] = True
 
+        # From here on a client that leaves cancels the work: waiting for a slot, restoring, or generating.
+        watch = ClientWatch(request.receive)
+        try:
+            return await self.dispatch(body, prompt, big, stream, record, watch, started,
+                                       request.headers.get("authorization"))
+        except asyncio.CancelledError:
+            watch.stop()
+            if not watch.left():
+                raise
+            record.reason = "client_disconnected"
+            if record.slot is None or not big:   # else `after` saves the slot and tells the observers
+                self.notify(record)
+            raise ClientGone() from None
+        except BaseException:
+            watch.stop()
+            raise
+
+    async def dispatch(self, body: dict[str, Any], prompt: Prompt, big: bool, stream: bool, record: RequestRecord,
+                       watch: ClientWatch, started: float, client_auth: str | None) -> ASGIApp:
+        """Take a slot, restore into it if that pays, send the request, and hand the answer to a relay."""
         candidate = self.find_saved(prompt) if big else None
         choice = await self.take_slot(prompt, candidate, record)
         backend = self.backends[choice.slot.backend]
+        sent = False
         try:
             if choice.restore is not None:
                 await self.restore(choice, record)
             record.cache_hit = bool(record.restored) or choice.resident > 0
-            upstream = await backend.client.chat(body, choice.slot.id)
+            sent = True
+            upstream = await backend.client.chat(body, choice.slot.id, client_auth=client_auth)
             if upstream.status != 200:
                 async with upstream:
                     raw = await upstream.read()
                 message, kind = error_message(upstream.status, raw)
                 raise BackendError(message, status=upstream.status, type=kind or "backend_error",
                                    code=upstream.status)
+        except asyncio.CancelledError:
+            if sent and big:
+                # The client left while the backend computed: what the slot holds is still worth saving.
+                self.spawn(self.after(choice, backend, prompt, big, False, record))
+            else:
+                self.pool.release(choice.slot, None)
+            raise
         except BaseException as e:
             record.reason = _reason(e)
             self.pool.release(choice.slot, None if choice.restore is not None else True)
@@ -108,8 +139,8 @@ class Pipeline:
                    (b"x-lpcache-restored", b"true" if record.restored else b"false"),
                    (b"x-lpcache-cache-hit", b"true" if record.cache_hit else b"false")]
         if stream:
-            return SseRelay(upstream, record, finish, self.settings.stream_queue_size, started, headers)
-        return JsonRelay(upstream, record, finish, headers)
+            return SseRelay(upstream, record, finish, watch, self.settings.stream_queue_size, started, headers)
+        return JsonRelay(upstream, record, finish, watch, headers)
 
     def find_saved(self, prompt: Prompt) -> Candidate | None:
         """The saved cache sharing the longest prefix with the prompt, restorable on some backend."""

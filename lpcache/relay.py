@@ -37,7 +37,7 @@ def error_body(err: ProxyError) -> bytes:
     return orjson.dumps(err.body())
 
 
-class _ClientWatch:
+class ClientWatch:
     """Watches the ASGI receive channel; when the client goes away, it cancels the task sending the answer
     (cheaper than racing every chunk against a disconnect event). `left()` turns that cancellation back into a
     plain "the client is gone"."""
@@ -71,7 +71,8 @@ class JsonRelay:
     """Reads a JSON completion, then sends it unchanged. A 200 whose body is not a JSON object becomes a 502."""
 
     def __init__(self, upstream: aiohttp.ClientResponse, record: RequestRecord, finish: Finish,
-                 headers: Headers = ()) -> None:
+                 watch: ClientWatch, headers: Headers = ()) -> None:
+        self.watch = watch
         self.upstream = upstream
         self.record = record
         self.finish = finish
@@ -79,7 +80,7 @@ class JsonRelay:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         delivered = False
-        watch = _ClientWatch(receive)
+        watch = self.watch
         try:
             raw = await self.upstream.read()
             status, body = 200, raw
@@ -111,7 +112,9 @@ class JsonRelay:
                                                status=502, type="backend_unreachable"), self.record)
         finally:
             watch.stop()
-            self.upstream.release()
+            # An answer read whole leaves a reusable connection; otherwise close it, which also tells
+            # llama-server to stop generating.
+            self.upstream.release() if delivered else self.upstream.close()
             self.finish(delivered)
 
 
@@ -120,7 +123,8 @@ class SseRelay:
     `timings` of the last events on the way."""
 
     def __init__(self, upstream: aiohttp.ClientResponse, record: RequestRecord, finish: Finish,
-                 queue_size: int, started: float, headers: Headers = ()) -> None:
+                 watch: ClientWatch, queue_size: int, started: float, headers: Headers = ()) -> None:
+        self.watch = watch
         self.headers = list(headers)
         self.upstream = upstream
         self.record = record
@@ -164,7 +168,7 @@ class SseRelay:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         delivered = False
-        watch = _ClientWatch(receive)
+        watch = self.watch
         reader = asyncio.ensure_future(self._read())
         headers = [(b"content-type", self.upstream.headers.get("Content-Type", "text/event-stream").encode()),
                    (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"), *self.headers]
@@ -224,7 +228,7 @@ class PassThrough:
         headers = [(k.lower().encode(), v.encode()) for k, v in self.upstream.headers.items()
                    if k.lower() not in HOP_HEADERS or k.lower() == "content-length"]
         self.record.status = self.upstream.status
-        watch = _ClientWatch(receive)
+        watch = ClientWatch(receive)
         try:
             await send({"type": "http.response.start", "status": self.upstream.status, "headers": headers})
             async for chunk in self.upstream.content.iter_any():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
@@ -13,7 +15,7 @@ from starlette.types import Receive, Scope, Send
 from .api import ApiError, body_int, read_json, state_of
 from .engine import Generation, TaskParams
 from .errors import json_response
-from .faults import cut_connection
+from .faults import cut_connection, wait_disconnect
 from .shapes import ChatShape, NativeShape, Shape, TextCompletionShape, piece_text
 from .slots import wrap_slot_id
 from .state import MockState
@@ -109,9 +111,20 @@ async def run_task(request: Request, params: TaskParams, shape: Shape, stream: b
     state = state_of(request)
     gen = await Generation.start(state, params)
     if not stream:
+        # Like llama-server, a JSON request whose client hangs up stops generating: the slot keeps what it
+        # computed so far and is free at once.
+        run = asyncio.ensure_future(gen.run())
+        gone = asyncio.ensure_future(wait_disconnect(request.receive))
         try:
-            await gen.run()
+            await asyncio.wait({run, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not run.done():
+                run.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await run
+                return Response(status_code=499)  # nobody is there to read it
+            run.result()
         finally:
+            gone.cancel()
             gen.release()
         return json_response(shape.body(gen))
     events = sse_events(gen, shape)

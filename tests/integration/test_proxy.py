@@ -353,3 +353,40 @@ def _key_of(proxy: Proxy, text: str) -> str:
     from lpcache.prefix import Prompt
 
     return Prompt.of("llama.cpp", user(text), 10).key
+
+
+def test_backend_api_key(start_backend: Any, start_proxy: Any) -> None:
+    backend = start_backend(api_key="secret")
+    with_key = start_proxy(BackendConfig(backend.url, 2, backend.app_state.config.slot_save_path),
+                           llama_api_key="secret")
+    r = with_key.chat(user(words(1, BIG)))
+    with_key.settle()
+    assert r.status_code == 200
+    assert mock_stats(backend)["saves"] == 1            # slot actions carry the key too
+    without = start_proxy(BackendConfig(backend.url, 2, backend.app_state.config.slot_save_path))
+    denied = without.chat(user(words(1, SMALL)))
+    assert denied.status_code == 401 and denied.json()["error"]["type"] == "authentication_error"
+    passed = without.client.post("/v1/chat/completions", json={"messages": user(words(1, SMALL))},
+                                 headers={"Authorization": "Bearer secret"})
+    assert passed.status_code == 200                    # the client's own key goes through
+
+
+def test_client_leaving_while_a_json_answer_is_generated(start_backend: Any, start_proxy: Any) -> None:
+    import socket
+    import time
+
+    backend = start_backend(slots=1, gen_ms_per_token=20)
+    proxy = start_proxy(backend)
+    payload = json.dumps({"messages": user(words(1, BIG)), "max_tokens": 2000}).encode()
+    sock = socket.create_connection(("127.0.0.1", proxy.server.port))
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+    deadline = time.monotonic() + 10
+    while mock_stats(backend)["chat_requests"] < 1:     # wait until the backend is generating
+        assert time.monotonic() < deadline
+    sock.close()
+    proxy.wait_finished(1)
+    record = proxy.records[0]
+    assert record.reason == "client_disconnected" and record.saved is True
+    assert proxy.busy_slots() == []
+    assert len(meta_files(proxy)) == 1
