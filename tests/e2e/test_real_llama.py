@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -58,8 +59,6 @@ def stream_events(raw: bytes) -> list[bytes]:
 
 def stream(url: str, payload: dict[str, Any]) -> tuple[bytes, float]:
     """POST a streamed chat; returns the raw bytes and the seconds to the first content token."""
-    import time
-
     started, first = time.perf_counter(), None
     raw = bytearray()
     with httpx.stream("POST", f"{url}/v1/chat/completions", json={**payload, "stream": True}, timeout=600) as r:
@@ -195,3 +194,30 @@ def test_with_the_default_ram_cache_a_pushed_out_conversation_still_comes_back(t
             assert r.json()["timings"]["cache_n"] >= 0.9 * common
         finally:
             proxy.stop()
+
+
+def test_json_client_hanging_up_stops_generation_and_frees_the_slot(llama: LlamaServer, tmp_path: Any) -> None:
+    """What the stand-in imitates: llama-server stops a JSON request whose client hung up."""
+    import json as _json
+    import socket
+
+    erase_all(llama.url)
+    proxy = start_proxy(llama, str(tmp_path / "meta"))
+    try:
+        messages = conversation(8, 700)
+        payload = _json.dumps(body(messages, max_tokens=4000, ignore_eos=True)).encode()
+        sock = socket.create_connection(("127.0.0.1", proxy.server.port))
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+        # Wait until llama-server is working on it (its slot is processing), then hang up.
+        deadline = time.monotonic() + 120
+        while not any(s["is_processing"] for s in httpx.get(f"{llama.url}/slots").json()):
+            assert time.monotonic() < deadline
+        sock.close()
+        proxy.wait_finished(1, timeout=120)
+        record = proxy.records[0]
+        assert record.reason == "client_disconnected" and record.saved is True
+        assert proxy.busy_slots() == []
+        assert not any(s["is_processing"] for s in httpx.get(f"{llama.url}/slots").json())
+    finally:
+        proxy.stop()

@@ -390,3 +390,17 @@ def test_client_leaving_while_a_json_answer_is_generated(start_backend: Any, sta
     assert record.reason == "client_disconnected" and record.saved is True
     assert proxy.busy_slots() == []
     assert len(meta_files(proxy)) == 1
+
+
+def test_a_stream_broken_by_the_backend_ends_with_an_error_event(proxy: Proxy, backend: Any) -> None:
+    httpx.post(f"{backend.url}/mock/faults", json={"stream_break_after": 3, "stream_break_count": 1})
+    with proxy.client.stream("POST", "/v1/chat/completions",
+                             json={"messages": user(words(1, SMALL)), "stream": True, "max_tokens": 20}) as r:
+        raw = r.read()
+    events = [e for e in raw.split(b"\n\n") if e]
+    assert len(events) == 4 and b"[DONE]" not in raw
+    error = json.loads(events[-1].removeprefix(b"data: "))["error"]
+    assert error["type"] == "backend_unreachable" and error["message"]
+    proxy.wait_finished(1)
+    assert proxy.records[0].reason == "backend_unreachable"
+    assert proxy.busy_slots() == []
