@@ -11,9 +11,11 @@ Three kinds of request, each sent N times directly and N times through lpcache, 
 - big:    600 words (above BIG_THRESHOLD_WORDS=500), max_tokens 1, JSON answer, different content every time, so
           lpcache saves every one's KV cache after the answer and prunes beyond META_MAX=10; the client's time is
           measured, the save runs after it (and overlaps the next request, as in real use);
+- big-paced: the same, 10 ms apart and each sent only once lpcache is idle again (its save done), so the figure is
+          the request's own path, without the previous save overlapping it;
 - stream: 20 words, max_tokens 16, streamed (SSE), time to the last byte.
 
-Run: python bench/overhead.py [--n 500] [--runs 3] [--json]
+Run: python bench/overhead.py [--n 500] [--runs 3] [--warmup 50] [--slots 4] [--tmp-dir DIR] [--json]
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import argparse
 import http.client
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,12 +33,13 @@ from typing import Any
 import orjson
 
 from lpcache.mock_llama import MockConfig, start_mock
-from lpcache.testing import LpcacheProcess, remove_tree, scratch_dir, story
+from lpcache.testing import LpcacheProcess, remove_tree, story
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import machine, machine_line, median, percentile, table  # noqa: E402
 
 TARGET_ADDED_P50_MS = 2.0
+PACE_S = 0.010
 ROUND = 50  # requests per target before switching to the other one
 CHAT = "/v1/chat/completions"
 HEADERS = {"Content-Type": "application/json"}
@@ -49,6 +53,7 @@ class Kind:
     stream: bool
     distinct: bool  # every request a different prompt (so every big one is saved)
     target: float | None  # target for the added p50 in ms, when there is one
+    paced: bool = False  # 10 ms apart, and only once lpcache is idle again
 
     def body(self, seed: int) -> bytes:
         text = story(seed if self.distinct else 7, self.words)
@@ -59,6 +64,7 @@ class Kind:
 KINDS = (
     Kind("small", 20, 1, False, False, TARGET_ADDED_P50_MS),
     Kind("big", 600, 1, False, True, TARGET_ADDED_P50_MS),
+    Kind("big-paced", 600, 1, False, True, None, paced=True),
     Kind("stream", 20, 16, True, False, None),
 )
 
@@ -118,6 +124,9 @@ def measure(kind: Kind, n: int, warmup: int, direct: Client, proxy: Client, heal
     def send(way: str, count: int, keep: bool) -> None:
         check = checker(kind, way == "proxy")
         for _ in range(count):
+            if kind.paced:
+                wait_idle(health)
+                time.sleep(PACE_S)  # pacing the load, not synchronisation
             seeds[way] += 1
             t = clients[way].post(kind.body(seeds[way]), check)
             if keep:
@@ -152,10 +161,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3, help="runs; the figures are medians over runs (default 3)")
     parser.add_argument("--warmup", type=int, default=50, help="untimed requests per kind and way first (default 50)")
     parser.add_argument("--slots", type=int, default=4, help="slots of the stand-in (default 4)")
+    parser.add_argument("--tmp-dir", default=None,
+                        help="where the slot-save and meta folders are made (default: the system temp dir); "
+                             "e.g. /dev/shm to take the disk's fsync out of the figures")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     args = parser.parse_args(argv)
 
-    tmp = scratch_dir("lpcache-bench-overhead-")
+    tmp = tempfile.mkdtemp(prefix="lpcache-bench-overhead-", dir=args.tmp_dir)
     save_dir, meta_dir = os.path.join(tmp, "slots"), os.path.join(tmp, "meta")
     os.makedirs(save_dir)
     started = time.monotonic()
@@ -179,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                 before = seeds["proxy"]
                 times = measure(kind, args.n, args.warmup, direct, via, health, seeds)
                 runs[kind.name].append(summarize(times))
-                if kind.name == "big":
+                if kind.distinct:
                     big_sent += seeds["proxy"] - before
         wait_idle(health)
         stats = mock.app_state.stats
@@ -209,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         fig["met"] = None if kind.target is None else fig["added_p50"] <= kind.target
         results[kind.name] = fig
     doc = {"benchmark": "overhead", "n": args.n, "runs": args.runs, "warmup": args.warmup, "slots": args.slots,
-           "machine": info, "seconds": round(time.monotonic() - started, 1), "results": results, "checks": checks}
+           "tmp_dir": tmp, "machine": info, "seconds": round(time.monotonic() - started, 1), "results": results,
+           "checks": checks}
     if args.json:
         print(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode())
     else:
@@ -227,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\nadded p50 per run (ms): " + "; ".join(
             f"{k.name} {', '.join(f'{x:.3f}' for x in results[k.name]['added_p50_runs'])}" for k in KINDS))
         print("checks: " + ", ".join(f"{k}={v}" for k, v in checks.items()))
+        print(f"slot-save and meta folders under {os.path.dirname(tmp)}")
         print(f"took {doc['seconds']} s")
     if checks["saves_on_stand_in"] < checks["big_requests_via_proxy"]:
         print(f"warning: fewer saves than big requests; lpcache log tail:\n{log_text}", file=sys.stderr)
