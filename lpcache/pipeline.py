@@ -179,7 +179,7 @@ class Pipeline:
                  "" if result.ok else f" reason={result.error!r}")
         if result.ok:
             slot.content = Content(entry.key, entry.chain, saved=True)
-            await self.index.touch(entry.key)
+            self.spawn(self.index.touch(entry.key))  # the file's timestamp is rewritten off the request's path
         else:
             slot.content = None
             await self.index.discard_if_stale(entry.key)
@@ -208,7 +208,8 @@ class Pipeline:
                 record.saved, record.save_ms = True, result.ms
                 log.info("slot_saved key=%s slot=%s n_saved=%s bytes=%s ms=%.1f", prompt.key[:16], slot.name,
                          result.body.get("n_saved"), result.body.get("n_written"), result.ms)
-                await self.index.add(prompt, backend.url, backend.config.slot_save_path)
+                # The meta file is written in the background: the slot is free once the server has saved it.
+                self.spawn(self.index.add(prompt, backend.url, backend.config.slot_save_path))
                 return Content(prompt.key, prompt.chain, saved=True)
             log.warning("slot_save_failed key=%s slot=%s attempt=%d/%d status=%s reason=%r", prompt.key[:16],
                         slot.name, attempt, attempts, result.status, result.error)

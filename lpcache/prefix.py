@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # \w plus the combining marks, as Rust's Unicode \w has them: "cafe\u0301" stays one word.
-_WORD = re.compile(r"(?:\w|[\u0300-\u036f\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe20-\ufe2f])+")
+_WORD = re.compile(r"[\w\u0300-\u036f\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe20-\ufe2f]+")
 
 
 def content_text(content: Any) -> str:
@@ -38,9 +38,16 @@ def raw_prefix(messages: Sequence[Any]) -> str:
     return "\n".join(content_text(m.get("content")) for m in messages if isinstance(m, dict))
 
 
+# For ASCII text, \w+ is "runs of letters, digits and _": a translate and a split find them 3-4x faster.
+_ASCII_NON_WORD = {i: " " for i in range(128) if not (chr(i).isalnum() or chr(i) == "_")}
+
+
 def words(text: str) -> list[str]:
     """The `\\w+` words of the text, lower-cased."""
-    return _WORD.findall(text.lower())
+    lower = text.lower()
+    if lower.isascii():
+        return lower.translate(_ASCII_NON_WORD).split()
+    return _WORD.findall(lower)
 
 
 def block_hashes(word_list: Sequence[str], words_per_block: int) -> list[str]:

@@ -161,6 +161,20 @@ class LlamaServer(_Process):
         self._start(argv, env, timeout)
 
 
+class MockProcess(_Process):
+    """The stand-in llama-server in a process of its own, as a real llama-server would be (benchmarks)."""
+
+    name = "mock-llama"
+
+    def __init__(self, slot_save_path: str | None = None, *, n_slots: int = 2, extra: Sequence[str] = (),
+                 timeout: float = 30.0) -> None:
+        super().__init__()
+        self.slot_save_path = slot_save_path
+        argv = [sys.executable, "-m", "lpcache.mock_llama", str(self.port), "mock-model", "--slots", str(n_slots),
+                *(["--slot-save-path", slot_save_path] if slot_save_path else []), *extra]
+        self._start(argv, None, timeout)
+
+
 class LpcacheProcess(_Process):
     """lpcache started as a user starts it, with its settings as environment variables."""
 

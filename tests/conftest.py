@@ -33,9 +33,10 @@ class Proxy:
             self._finished.notify_all()
 
     def wait_finished(self, n: int, timeout: float = 30) -> None:
-        """Wait until `n` requests have finished (their bookkeeping done and observers told)."""
+        """Wait until `n` requests have finished (observers told) and every background write is done."""
         with self._finished:
             assert self._finished.wait_for(lambda: len(self.records) >= n, timeout), "requests did not finish"
+        self.settle(timeout)
 
     @property
     def pipeline(self) -> Pipeline:

@@ -234,3 +234,17 @@ def test_prompt_empty() -> None:
     p = Prompt.of("m", [], 3)
     assert p.n_words == 0 and p.blocks == () and p.chain == ()
     assert p.key == hashlib.sha256(b"m\n").hexdigest()
+
+
+def test_ascii_fast_path_matches_the_regex() -> None:
+    import random
+    import re
+    import string
+
+    from lpcache.prefix import words
+
+    rng = random.Random(7)
+    alphabet = string.printable
+    for _ in range(500):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 200)))
+        assert words(text) == re.findall(r"\w+", text.lower())
