@@ -66,7 +66,7 @@ class Pipeline:
         self.pool = pool
         self.index = index
         self.observers = list(observers)
-        self.tasks: set[asyncio.Task[None]] = set()
+        self.tasks: set[asyncio.Task[Any]] = set()
 
     # ---- the steps ----
 
@@ -231,7 +231,7 @@ class Pipeline:
             except Exception:
                 log.exception("observer %r failed", observer)
 
-    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Run bookkeeping in the background, and keep it referenced until done (see `drain`)."""
         task = asyncio.ensure_future(coro)
         self.tasks.add(task)
