@@ -21,9 +21,10 @@ from starlette.routing import Route
 from starlette.types import ASGIApp
 
 from . import __version__
-from .backends import start_backends
+from .backends import Prober, start_backends
 from .config import Settings, describe
-from .errors import ClientGone, ProxyError
+from .errors import BackendUnreachable, ClientGone, ProxyError
+from .guard import ApiKeys, read_body
 from .index import MetaIndex
 from .pipeline import Pipeline
 from .record import RequestRecord, log_record
@@ -33,7 +34,6 @@ from .slots import SlotPool
 log = logging.getLogger("lpcache")
 
 ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
-SHUTDOWN_SAVE_WAIT = 60.0  # seconds running saves get to finish when lpcache stops
 
 
 class OrjsonResponse(JSONResponse):
@@ -83,30 +83,48 @@ async def models(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
+    """lpcache and each backend's state; 503 only when no backend can serve."""
     pipeline = _pipeline(request)
+    now = time.monotonic()
     backends = [
-        {"url": b.url, "n_slots": b.n_slots, "kv_cache": b.kv_cache,
+        {"url": b.url, "n_slots": b.n_slots, "kv_cache": b.kv_cache, **b.breaker.describe(now),
          "busy_slots": sum(1 for s in pipeline.pool.slots if s.backend == b.index and s.busy)}
         for b in pipeline.backends
     ]
-    return OrjsonResponse({"status": "ok", "version": __version__, "backends": backends,
-                           "waiting": pipeline.pool.waiting, "cached_entries": len(pipeline.index)})
+    serving = any(b.available(now) for b in pipeline.backends)
+    return OrjsonResponse({"status": "ok" if serving else "unavailable", "version": __version__,
+                           "backends": backends, "waiting": pipeline.pool.waiting,
+                           "cached_entries": len(pipeline.index)}, status_code=200 if serving else 503)
 
 
 async def forward(request: Request) -> ASGIApp:
-    """Any route lpcache does not handle itself goes to a backend as it came."""
+    """Any route lpcache does not handle itself goes to a backend as it came: the first that can serve, the next
+    one when it cannot be reached."""
     pipeline = _pipeline(request)
     record = new_record(request)
     path = request.scope.get("raw_path") or request.url.path.encode()
     query = request.scope.get("query_string") or b""
     path_qs = path.decode("latin-1") + (f"?{query.decode('latin-1')}" if query else "")
+    headers = {k: v for k, v in request.headers.items()
+               if not (pipeline.settings.api_keys and k.lower() == "authorization")}
     try:
-        upstream = await pipeline.backends[0].client.forward(request.method, path_qs, request.headers,
-                                                             await request.body())
+        body = await read_body(request, pipeline.settings.max_body_bytes)
     except ProxyError as e:
-        record.status, record.reason = e.status, "backend_unreachable"
         return error_response(e)
-    return PassThrough(upstream, record)
+    now = time.monotonic()
+    order = sorted(pipeline.backends, key=lambda b: not b.available(now))
+    error: ProxyError | None = None
+    for backend in order:
+        try:
+            upstream = await backend.client.forward(request.method, path_qs, headers, body)
+        except BackendUnreachable as e:
+            backend.failed(e.message)
+            error = e
+            continue
+        return PassThrough(upstream, record)
+    assert error is not None
+    record.status, record.reason = error.status, "backend_unreachable"
+    return error_response(error)
 
 
 async def internal_error(request: Request, exc: Exception) -> Response:
@@ -126,19 +144,22 @@ def create_app(settings: Settings) -> Starlette:
             loaded = await asyncio.to_thread(index.load)
             pool = SlotPool([s for b in backends for s in b.slots()], settings.slot_wait_timeout)
             app.state.pipeline = Pipeline(settings, backends, pool, index, observers=[log_record])
+            prober = Prober(backends, lambda b, old: pool.add(b.slots(start=old)))
+            prober.start()
             app.state.started = time.time()
             app.state.loop = asyncio.get_running_loop()
             log.info("app_start version=%s backends=%s slots=%d meta_entries=%d %s", __version__,
                      ",".join(f"{b.url}({b.n_slots})" for b in backends), len(pool.slots), loaded,
                      describe(settings))
             yield
-            await app.state.pipeline.drain(SHUTDOWN_SAVE_WAIT)
+            await prober.stop()
+            await app.state.pipeline.drain(settings.shutdown_timeout)
         finally:
             await index.close()
             await session.close()
             log.info("app_stop")
 
-    return Starlette(
+    app = Starlette(
         routes=[
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/chat/completions", chat_completions, methods=["POST"]),
@@ -149,3 +170,6 @@ def create_app(settings: Settings) -> Starlette:
         exception_handlers={Exception: internal_error},
         lifespan=lifespan,
     )
+    if settings.api_keys:
+        app.add_middleware(ApiKeys, keys=settings.api_keys)
+    return app

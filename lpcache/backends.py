@@ -1,14 +1,23 @@
-"""The llama-servers behind lpcache: their settings, their client, their slot count.
+"""The llama-servers behind lpcache: their settings, their client, their slot count, their health.
 
 A backend given without `n_slots` is asked for it (`GET /props`, `total_slots`) at start. One that does not answer
-is started with the N_SLOTS fallback and a warning, so lpcache comes up; its requests fail with 502 until it answers.
+is marked down (its breaker open) and lpcache starts anyway; the prober asks again after each cooldown, and the
+backend serves once it answers.
+
+Each backend has a circuit breaker. A failure (connection refused or reset, timeout, 5xx) opens it for a cooldown
+that doubles with each failure in a row (BREAKER_COOLDOWN_MS up to BREAKER_MAX_COOLDOWN_MS). After the cooldown the
+backend is half-open: one request (or the prober's GET /health) is let through as a probe; success closes the
+breaker and resets the backoff, failure opens it again for longer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import aiohttp
 
@@ -20,12 +29,59 @@ from .slots import Slot
 log = logging.getLogger("lpcache.backends")
 
 
+CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
+
+
+@dataclass
+class Breaker:
+    """Circuit breaker of one backend. Pure state: the caller passes the time (monotonic seconds)."""
+
+    base_cooldown: float = 1.0
+    max_cooldown: float = 60.0
+    state: str = CLOSED
+    failures: int = 0          # in a row
+    cooldown: float = 0.0      # of the current opening
+    open_until: float = 0.0
+    probing: bool = False      # half-open, and the one probe is out
+
+    def available(self, now: float) -> bool:
+        """Whether a request may go to this backend now (without claiming the probe)."""
+        if self.state == CLOSED:
+            return True
+        if self.state == OPEN:
+            return now >= self.open_until
+        return not self.probing
+
+    def claim(self, now: float) -> None:
+        """A request is sent: when the cooldown is over, it is the half-open probe."""
+        if self.state == OPEN and now >= self.open_until:
+            self.state = HALF_OPEN
+        if self.state == HALF_OPEN:
+            self.probing = True
+
+    def success(self) -> None:
+        self.state, self.failures, self.cooldown, self.probing = CLOSED, 0, 0.0, False
+
+    def failure(self, now: float) -> None:
+        self.failures += 1
+        self.cooldown = min(self.max_cooldown, self.base_cooldown * 2 ** (self.failures - 1))
+        self.state, self.open_until, self.probing = OPEN, now + self.cooldown, False
+
+    def describe(self, now: float) -> dict[str, object]:
+        doc: dict[str, object] = {"state": self.state, "failures": self.failures}
+        if self.state == OPEN:
+            doc["retry_in_s"] = round(max(0.0, self.open_until - now), 3)
+        return doc
+
+
 @dataclass(eq=False)
 class Backend:
     index: int
     config: BackendConfig
     client: LlamaClient
     n_slots: int
+    breaker: Breaker = field(default_factory=Breaker)
+    slots_known: bool = True   # False while n_slots is the N_SLOTS fallback of a server that did not answer
 
     @property
     def url(self) -> str:
@@ -35,25 +91,89 @@ class Backend:
     def kv_cache(self) -> bool:
         return self.config.kv_cache
 
-    def slots(self) -> list[Slot]:
+    def slots(self, start: int = 0) -> list[Slot]:
         return [Slot(self.index, i, self.config.kv_cache, self.config.slot_save_path, self.url)
-                for i in range(self.n_slots)]
+                for i in range(start, self.n_slots)]
+
+    def available(self, now: float | None = None) -> bool:
+        return self.breaker.available(time.monotonic() if now is None else now)
+
+    def failed(self, reason: str) -> None:
+        was = self.breaker.state
+        self.breaker.failure(time.monotonic())
+        log.warning("backend_down url=%s reason=%s cooldown_s=%.1f failures=%d%s", self.url, reason,
+                    self.breaker.cooldown, self.breaker.failures, "" if was != CLOSED else " (breaker opened)")
+
+    def succeeded(self) -> None:
+        if self.breaker.state != CLOSED:
+            log.info("backend_up url=%s", self.url)
+        self.breaker.success()
 
 
 async def start_backends(settings: Settings, session: aiohttp.ClientSession) -> list[Backend]:
-    """Build a client per backend and settle each one's slot count, asking the servers in parallel."""
+    """Build a client per backend and settle each one's slot count, asking the servers in parallel. A server that
+    does not answer is marked down, not fatal."""
 
     async def one(i: int, config: BackendConfig) -> Backend:
         client = LlamaClient(config.url, session, api_key=settings.llama_api_key, timeout=settings.request_timeout)
-        n_slots = config.n_slots
-        if n_slots is None:
-            try:
-                n_slots = await client.total_slots()
-                log.info("backend_slots url=%s total_slots=%d (from /props)", config.url, n_slots)
-            except ProxyError as e:
-                n_slots = settings.n_slots
-                log.warning("backend_slots url=%s total_slots=unknown (%s); using N_SLOTS=%d",
-                            config.url, e.message, n_slots)
-        return Backend(i, config, client, n_slots)
+        backend = Backend(i, config, client, config.n_slots or settings.n_slots,
+                          Breaker(settings.breaker_cooldown_ms / 1000.0, settings.breaker_max_cooldown_ms / 1000.0),
+                          slots_known=config.n_slots is not None)
+        try:
+            if backend.slots_known:
+                await client.get_json("/health")
+            else:
+                backend.n_slots, backend.slots_known = await client.total_slots(), True
+                log.info("backend_slots url=%s total_slots=%d (from /props)", config.url, backend.n_slots)
+        except ProxyError as e:
+            log.warning("backend_unavailable_at_start url=%s reason=%s: lpcache starts anyway and probes it%s",
+                        config.url, e.message, "" if backend.slots_known else
+                        f"; until it answers /props it counts N_SLOTS={backend.n_slots} slot(s)")
+            backend.failed("unavailable at start")
+        return backend
 
     return list(await asyncio.gather(*(one(i, c) for i, c in enumerate(settings.backends))))
+
+
+class Prober:
+    """Asks the backends whose cooldown is over whether they are back (GET /health, and /props while the slot count
+    is unknown), so a backend recovers without waiting for a client to risk a request on it."""
+
+    def __init__(self, backends: list[Backend], on_slots: Callable[[Backend, int], None],
+                 interval: float = 0.5) -> None:
+        self.backends = backends
+        self.on_slots = on_slots
+        self.interval = interval
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)  # a polling period, not synchronisation
+            now = time.monotonic()
+            due = [b for b in self.backends if b.breaker.state != CLOSED and b.available(now)]
+            await asyncio.gather(*(self.probe(b) for b in due))
+
+    async def probe(self, backend: Backend) -> bool:
+        backend.breaker.claim(time.monotonic())
+        try:
+            if backend.slots_known:
+                await backend.client.get_json("/health")
+            else:
+                old = backend.n_slots
+                backend.n_slots, backend.slots_known = await backend.client.total_slots(), True
+                log.info("backend_slots url=%s total_slots=%d (from /props)", backend.url, backend.n_slots)
+                self.on_slots(backend, old)
+        except ProxyError as e:
+            backend.failed(f"probe: {e.message}")
+            return False
+        backend.succeeded()
+        return True

@@ -24,7 +24,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # uvicorn picks uvloop and httptools by itself when they are installed ("auto").
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                access_log=False, lifespan="on", timeout_graceful_shutdown=int(settings.request_timeout))
+                access_log=False, lifespan="on", timeout_graceful_shutdown=max(1, round(settings.shutdown_timeout)))
     return 0
 
 

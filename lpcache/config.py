@@ -52,6 +52,12 @@ class Settings:
     save_retries: int = 3
     save_retry_delay_ms: int = 1000
     slot_wait_timeout: float = 300.0
+    coalesce_requests: bool = False
+    api_keys: tuple[str, ...] = ()
+    max_body_bytes: int = 32 * 1024 * 1024
+    breaker_cooldown_ms: int = 1000
+    breaker_max_cooldown_ms: int = 60000
+    shutdown_timeout: float = 30.0
     # Where each value came from ("flag", "env" or "default"), for the start-up log and for N_SLOTS.
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
 
@@ -112,6 +118,32 @@ def _log_level(raw: str) -> str:
     if level not in LOG_LEVELS:
         raise ValueError(f"{raw!r} is not one of {', '.join(LOG_LEVELS)}")
     return {"TRACE": "DEBUG", "WARN": "WARNING"}.get(level, level)
+
+
+def _bool(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"{raw!r} is not true or false")
+
+
+def _keys(raw: str) -> tuple[str, ...]:
+    """A comma-separated list of keys, or @FILE with one key per line (blank lines and # comments skipped)."""
+    raw = raw.strip()
+    if raw.startswith("@"):
+        try:
+            with open(raw[1:], encoding="utf-8") as f:
+                lines = [line.strip() for line in f]
+        except OSError as e:
+            raise ValueError(f"cannot read the key file {raw[1:]!r}: {e.strerror}") from None
+        keys = [line for line in lines if line and not line.startswith("#")]
+    else:
+        keys = [k.strip() for k in raw.split(",") if k.strip()]
+    if raw and not keys:
+        raise ValueError("no key in it")
+    return tuple(keys)
 
 
 def _backends(raw: str) -> tuple[BackendConfig, ...]:
@@ -198,6 +230,21 @@ OPTIONS: tuple[Option, ...] = (
            "Milliseconds between save retries.", metavar="MS"),
     Option("SLOT_WAIT_TIMEOUT", "--slot-wait-timeout", _float(0.0, exclusive_min=True), "300",
            "Seconds a request waits for a free slot before it gets 503 all slots busy.", metavar="SECONDS"),
+    Option("COALESCE_REQUESTS", "--coalesce-requests", _bool, "false",
+           "Concurrent identical chat requests (same messages, model and generation parameters) share one "
+           "backend call.", metavar="BOOL"),
+    Option("LPCACHE_API_KEYS", "--api-keys", _keys, None,
+           "Client keys: a comma-separated list, or @FILE with one key per line. When set, every request but "
+           "GET /health needs Authorization: Bearer <key> (else 401).", metavar="KEYS"),
+    Option("MAX_BODY_BYTES", "--max-body-bytes", _int(1), "33554432",
+           "Largest request body accepted, in bytes (413 above it).", metavar="BYTES"),
+    Option("BREAKER_COOLDOWN_MS", "--breaker-cooldown-ms", _int(1), "1000",
+           "First cooldown of a backend whose breaker opened; it doubles with each failure in a row.", metavar="MS"),
+    Option("BREAKER_MAX_COOLDOWN_MS", "--breaker-max-cooldown-ms", _int(1), "60000",
+           "Longest cooldown of a failing backend.", metavar="MS"),
+    Option("SHUTDOWN_TIMEOUT", "--shutdown-timeout", _float(0.0), "30",
+           "Seconds requests in flight get to finish on SIGTERM/SIGINT (running saves get as long again).",
+           metavar="SECONDS"),
 )
 
 def build_parser() -> argparse.ArgumentParser:
@@ -249,6 +296,8 @@ def load_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] 
     if backends is None:
         explicit_slots = values["N_SLOTS"] if sources["N_SLOTS"] != "default" else None
         backends = (BackendConfig(values["LLAMA_URL"], explicit_slots, values["SLOT_SAVE_PATH"], True),)
+    if values["BREAKER_MAX_COOLDOWN_MS"] < values["BREAKER_COOLDOWN_MS"]:
+        raise ConfigError("BREAKER_MAX_COOLDOWN_MS", "must be at least BREAKER_COOLDOWN_MS")
     if not values["MODEL_ID"].strip():
         raise ConfigError("MODEL_ID", "must not be empty")
 
@@ -270,6 +319,12 @@ def load_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] 
         save_retries=values["SAVE_RETRIES"],
         save_retry_delay_ms=values["SAVE_RETRY_DELAY_MS"],
         slot_wait_timeout=values["SLOT_WAIT_TIMEOUT"],
+        coalesce_requests=values["COALESCE_REQUESTS"],
+        api_keys=values["LPCACHE_API_KEYS"] or (),
+        max_body_bytes=values["MAX_BODY_BYTES"],
+        breaker_cooldown_ms=values["BREAKER_COOLDOWN_MS"],
+        breaker_max_cooldown_ms=values["BREAKER_MAX_COOLDOWN_MS"],
+        shutdown_timeout=values["SHUTDOWN_TIMEOUT"],
         sources=sources,
     )
 
@@ -284,6 +339,8 @@ def describe(settings: Settings) -> str:
             continue
         elif o.env == "LLAMA_API_KEY":
             value = "set" if settings.llama_api_key else "unset"
+        elif o.env == "LPCACHE_API_KEYS":
+            value = f"{len(settings.api_keys)} key(s)" if settings.api_keys else "unset"
         else:
             value = getattr(settings, o.env.lower(), None)
         shown.append(f"{o.env.lower()}={value}")

@@ -11,22 +11,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import orjson
 from starlette.requests import Request
 from starlette.types import ASGIApp
 
+from .attempts import Attempts
 from .backends import Backend
 from .config import Settings
-from .errors import BackendError, BadRequest, ClientGone, ProxyError, SlotsBusy
+from .errors import BadRequest, ClientGone, SlotsBusy
+from .guard import read_body
 from .index import Candidate, MetaEntry, MetaIndex
-from .llama import error_message
 from .prefix import Prompt
 from .record import Observer, RequestRecord
 from .relay import ClientWatch, JsonRelay, SseRelay
-from .slots import Choice, Content, SlotPool
+from .slots import Choice, Content, Slot, SlotPool
 
 log = logging.getLogger("lpcache.pipeline")
 
@@ -74,7 +75,7 @@ class Pipeline:
         """Serve one chat request; returns the ASGI app that relays the answer. Raises ProxyError for an error
         answer, ClientGone when the client left before the answer started (its record is already told)."""
         started = time.perf_counter()
-        body = parse_chat_body(await request.body())
+        body = parse_chat_body(await read_body(request, self.settings.max_body_bytes))
         model = body.get("model") or self.settings.model_id
         stream = bool(body.get("stream"))
         prompt = Prompt.of(model, body["messages"], self.settings.words_per_block)
@@ -86,61 +87,24 @@ class Pipeline:
 
         # From here on a client that leaves cancels the work: waiting for a slot, restoring, or generating.
         watch = ClientWatch(request.receive)
+        # With client keys, Authorization is lpcache's own; without, it goes on to llama-server as it came.
+        client_auth = None if self.settings.api_keys else request.headers.get("authorization")
+        attempts = Attempts(self, body, prompt, big, record, client_auth)
         try:
-            return await self.dispatch(body, prompt, big, stream, record, watch, started,
-                                       request.headers.get("authorization"))
+            await attempts.start()
         except asyncio.CancelledError:
             watch.stop()
             if not watch.left():
                 raise
             record.reason = "client_disconnected"
-            if record.slot is None or not big:   # else `after` saves the slot and tells the observers
-                self.notify(record)
+            attempts.cancelled()
             raise ClientGone() from None
         except BaseException:
             watch.stop()
             raise
-
-    async def dispatch(self, body: dict[str, Any], prompt: Prompt, big: bool, stream: bool, record: RequestRecord,
-                       watch: ClientWatch, started: float, client_auth: str | None) -> ASGIApp:
-        """Take a slot, restore into it if that pays, send the request, and hand the answer to a relay."""
-        candidate = self.find_saved(prompt) if big else None
-        choice = await self.take_slot(prompt, candidate, record)
-        backend = self.backends[choice.slot.backend]
-        sent = False
-        try:
-            if choice.restore is not None:
-                await self.restore(choice, record)
-            record.cache_hit = bool(record.restored) or choice.resident > 0
-            sent = True
-            upstream = await backend.client.chat(body, choice.slot.id, client_auth=client_auth)
-            if upstream.status != 200:
-                async with upstream:
-                    raw = await upstream.read()
-                message, kind = error_message(upstream.status, raw)
-                raise BackendError(message, status=upstream.status, type=kind or "backend_error",
-                                   code=upstream.status)
-        except asyncio.CancelledError:
-            if sent and big:
-                # The client left while the backend computed: what the slot holds is still worth saving.
-                self.spawn(self.after(choice, backend, prompt, big, False, record))
-            else:
-                self.pool.release(choice.slot, None)
-            raise
-        except BaseException as e:
-            record.reason = _reason(e)
-            self.pool.release(choice.slot, None if choice.restore is not None else True)
-            raise
-
-        def finish(delivered: bool) -> None:
-            self.spawn(self.after(choice, backend, prompt, big, delivered, record))
-
-        headers = [(b"x-lpcache-slot", f"{backend.index}:{choice.slot.id}".encode()),
-                   (b"x-lpcache-restored", b"true" if record.restored else b"false"),
-                   (b"x-lpcache-cache-hit", b"true" if record.cache_hit else b"false")]
         if stream:
-            return SseRelay(upstream, record, finish, watch, self.settings.stream_queue_size, started, headers)
-        return JsonRelay(upstream, record, finish, watch, headers)
+            return SseRelay(attempts, record, watch, self.settings.stream_queue_size, started)
+        return JsonRelay(attempts, record, watch)
 
     def find_saved(self, prompt: Prompt) -> Candidate | None:
         """The saved cache sharing the longest prefix with the prompt, restorable on some backend."""
@@ -157,9 +121,10 @@ class Pipeline:
                      candidate.shared, len(prompt.chain), candidate.ratio)
         return candidate
 
-    async def take_slot(self, prompt: Prompt, candidate: Candidate | None, record: RequestRecord) -> Choice:
+    async def take_slot(self, prompt: Prompt, candidate: Candidate | None, record: RequestRecord,
+                        allowed: Callable[[Slot], bool] | None = None) -> Choice:
         try:
-            choice = await self.pool.acquire(prompt, candidate)
+            choice = await self.pool.acquire(prompt, candidate, allowed)
         except SlotsBusy:
             record.reason = "slot_timeout"
             raise
@@ -247,12 +212,3 @@ class Pipeline:
         if self.tasks:
             log.info("waiting for %d background save(s)", len(self.tasks))
             await asyncio.wait(set(self.tasks), timeout=timeout)
-
-
-def _reason(e: BaseException) -> str:
-    if isinstance(e, BackendError):
-        return f"provider_http_{e.status}"
-    if isinstance(e, ProxyError):
-        return {502: "backend_unreachable", 503: "slot_timeout"}.get(e.status, "backend_error")
-    return "cancelled" if isinstance(e, asyncio.CancelledError) else "internal_error"
-

@@ -49,6 +49,7 @@ class RequestRecord:
     restore_ms: float | None = None
     saved: bool | None = None
     save_ms: float | None = None
+    retries: int = 0                   # failovers to another backend or slot
 
     def take_usage(self, doc: dict[str, Any]) -> None:
         """Copy the backend's `usage` and `timings` from a completion (or the last SSE chunk)."""

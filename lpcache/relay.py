@@ -12,7 +12,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import aiohttp
 import orjson
@@ -26,7 +27,6 @@ log = logging.getLogger("lpcache.relay")
 _END = object()
 
 Headers = Sequence[tuple[bytes, bytes]]
-Finish = Callable[[bool], None]  # called once with: did the client get the backend's whole answer?
 
 
 def _headers(content_type: bytes) -> list[tuple[bytes, bytes]]:
@@ -67,22 +67,39 @@ class ClientWatch:
         self._task.cancel()
 
 
+class Source(Protocol):
+    """Where an answer comes from (`attempts.Attempts`): the open upstream, a way to try elsewhere while the client
+    has had no byte, the headers that describe the try, and the bookkeeping to run once the answer is over."""
+
+    upstream: aiohttp.ClientResponse | None
+
+    async def retry(self, error: BaseException) -> aiohttp.ClientResponse: ...
+
+    def headers(self) -> Headers: ...
+
+    def finish(self, delivered: bool) -> None: ...
+
+
 class JsonRelay:
     """Reads a JSON completion, then sends it unchanged. A 200 whose body is not a JSON object becomes a 502."""
 
-    def __init__(self, upstream: aiohttp.ClientResponse, record: RequestRecord, finish: Finish,
-                 watch: ClientWatch, headers: Headers = ()) -> None:
-        self.watch = watch
-        self.upstream = upstream
+    def __init__(self, source: Source, record: RequestRecord, watch: ClientWatch) -> None:
+        self.source = source
         self.record = record
-        self.finish = finish
-        self.headers = list(headers)
+        self.watch = watch
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         delivered = False
         watch = self.watch
         try:
-            raw = await self.upstream.read()
+            while True:
+                upstream = self.source.upstream
+                assert upstream is not None
+                try:
+                    raw = await upstream.read()
+                    break
+                except (aiohttp.ClientError, TimeoutError) as e:
+                    await self.source.retry(e)   # nothing went to the client yet: try elsewhere
             status, body = 200, raw
             try:
                 doc = orjson.loads(raw)
@@ -99,54 +116,53 @@ class JsonRelay:
             self.record.bytes_out = len(body)
             await send({"type": "http.response.start", "status": status,
                         "headers": [*_headers(b"application/json"), (b"content-length", str(len(body)).encode()),
-                                    *self.headers]})
+                                    *self.source.headers()]})
             await send({"type": "http.response.body", "body": body, "more_body": False})
             delivered = status == 200
         except asyncio.CancelledError:
             if not watch.left():
                 raise
             self.record.reason = "client_disconnected"
-        except (aiohttp.ClientError, TimeoutError) as e:
-            self.record.reason = "backend_unreachable"
-            await _send_error(send, ProxyError(f"backend failed while answering: {type(e).__name__}: {e}",
-                                               status=502, type="backend_unreachable"), self.record)
+        except ProxyError as e:
+            self.record.reason = self.record.reason or "backend_unreachable"
+            await _send_error(send, e, self.record)
         finally:
             watch.stop()
             # An answer read whole leaves a reusable connection; otherwise close it, which also tells
             # llama-server to stop generating.
-            self.upstream.release() if delivered else self.upstream.close()
-            self.finish(delivered)
+            if self.source.upstream is not None:
+                self.source.upstream.release() if delivered else self.source.upstream.close()
+            self.source.finish(delivered)
 
 
 class SseRelay:
     """Streams SSE chunks exactly as the backend sent them, noting the time to the first chunk and the `usage` and
-    `timings` of the last events on the way."""
+    `timings` of the last events on the way. The response starts with the first chunk, so an answer that breaks
+    before it can still be tried elsewhere."""
 
-    def __init__(self, upstream: aiohttp.ClientResponse, record: RequestRecord, finish: Finish,
-                 watch: ClientWatch, queue_size: int, started: float, headers: Headers = ()) -> None:
-        self.watch = watch
-        self.headers = list(headers)
-        self.upstream = upstream
+    def __init__(self, source: Source, record: RequestRecord, watch: ClientWatch, queue_size: int,
+                 started: float) -> None:
+        self.source = source
         self.record = record
-        self.finish = finish
-        self.queue: asyncio.Queue[object] = asyncio.Queue(maxsize=queue_size)
+        self.watch = watch
+        self.queue_size = queue_size
         self.started = started
         self._tail = b""
-        self.failure: BaseException | None = None
 
-    async def _read(self) -> None:
-        """The background reader: upstream chunks into the queue, then the end marker."""
+    async def _read(self, upstream: aiohttp.ClientResponse, queue: asyncio.Queue[object]) -> None:
+        """The background reader: upstream chunks into the queue, then the end marker (or the error)."""
+        end: object = _END
         try:
-            async for chunk in self.upstream.content.iter_any():
+            async for chunk in upstream.content.iter_any():
                 if self.record.ttft_ms is None:
                     self.record.ttft_ms = (time.perf_counter() - self.started) * 1000.0
                 self._scan(chunk)
-                await self.queue.put(chunk)
+                await queue.put(chunk)
         except (aiohttp.ClientError, TimeoutError) as e:
-            self.failure = e
+            end = e
         finally:
             with contextlib.suppress(asyncio.CancelledError):
-                await self.queue.put(_END)
+                await queue.put(end)
 
     def _scan(self, chunk: bytes) -> None:
         """Parse only the complete events that carry usage or timings (the last ones), not every token."""
@@ -169,23 +185,35 @@ class SseRelay:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         delivered = False
         watch = self.watch
-        reader = asyncio.ensure_future(self._read())
-        headers = [(b"content-type", self.upstream.headers.get("Content-Type", "text/event-stream").encode()),
-                   (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"), *self.headers]
-        self.record.status = 200
+        reader: asyncio.Future[None] | None = None
+        started = False
         try:
-            await send({"type": "http.response.start", "status": 200, "headers": headers})
-            while True:
-                chunk = await self.queue.get()
-                if chunk is _END:
-                    break
-                self.record.bytes_out += len(chunk)  # type: ignore[arg-type]
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            if self.failure is not None:
+            while True:  # one pass per try; a try that breaks before its first chunk is replaced
+                upstream = self.source.upstream
+                assert upstream is not None
+                queue: asyncio.Queue[object] = asyncio.Queue(maxsize=self.queue_size)
+                reader = asyncio.ensure_future(self._read(upstream, queue))
+                item = await queue.get()
+                if not started and not isinstance(item, bytes):
+                    failure = item if isinstance(item, BaseException) else ConnectionResetError("empty answer")
+                    await self.source.retry(failure)
+                    continue
+                break
+            content_type = upstream.headers.get("Content-Type", "text/event-stream").encode()
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", content_type), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
+                *self.source.headers()]})
+            started = True
+            self.record.status = 200
+            while isinstance(item, bytes):
+                self.record.bytes_out += len(item)
+                await send({"type": "http.response.body", "body": item, "more_body": True})
+                item = await queue.get()
+            if isinstance(item, BaseException):
                 # Bytes already went out: end the stream with a well-formed error event, never a hang.
                 self.record.reason = "backend_unreachable"
                 event = b"data: " + orjson.dumps({"error": {
-                    "message": f"backend stream broke: {type(self.failure).__name__}: {self.failure}",
+                    "message": f"backend stream broke: {type(item).__name__}: {item}",
                     "type": "backend_unreachable", "code": 502}}) + b"\n\n"
                 self.record.bytes_out += len(event)
                 await send({"type": "http.response.body", "body": event, "more_body": False})
@@ -196,13 +224,18 @@ class SseRelay:
             if not watch.left():
                 raise
             self.record.reason = "client_disconnected"
+        except ProxyError as e:   # every try failed before a byte went out
+            self.record.reason = self.record.reason or "backend_unreachable"
+            await _send_error(send, e, self.record)
         finally:
             watch.stop()
-            reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await reader
-            self.upstream.release() if delivered else self.upstream.close()
-            self.finish(delivered)
+            if reader is not None:
+                reader.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await reader
+            if self.source.upstream is not None:
+                self.source.upstream.release() if delivered else self.source.upstream.close()
+            self.source.finish(delivered)
 
 
 async def _send_error(send: Send, err: ProxyError, record: RequestRecord) -> None:

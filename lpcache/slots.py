@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .errors import SlotsBusy
@@ -95,6 +95,7 @@ def _coldest(slots: Sequence[Slot]) -> Slot:
 class _Waiter:
     prompt: Prompt | None
     candidate: Candidate | None
+    allowed: Callable[[Slot], bool] | None
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -106,21 +107,28 @@ class SlotPool:
         self.wait_timeout = wait_timeout
         self._waiters: deque[_Waiter] = deque()
 
-    def idle(self) -> list[Slot]:
-        return [s for s in self.slots if not s.busy]
+    def idle(self, allowed: Callable[[Slot], bool] | None = None) -> list[Slot]:
+        return [s for s in self.slots if not s.busy and (allowed is None or allowed(s))]
 
     @property
     def waiting(self) -> int:
         return len(self._waiters)
 
-    async def acquire(self, prompt: Prompt | None, candidate: Candidate | None = None) -> Choice:
-        """Take a slot; raise SlotsBusy (503) when none comes free within the wait timeout."""
-        idle = self.idle()
+    def add(self, slots: Sequence[Slot]) -> None:
+        """More slots (a backend that came up told its real slot count)."""
+        self.slots.extend(slots)
+        self.wake()
+
+    async def acquire(self, prompt: Prompt | None, candidate: Candidate | None = None,
+                      allowed: Callable[[Slot], bool] | None = None) -> Choice:
+        """Take a slot (among those `allowed`, when given); raise SlotsBusy (503) when none comes free within the
+        wait timeout."""
+        idle = self.idle(allowed)
         if idle and not self._waiters:
             return self._take(choose(idle, prompt, candidate))
-        waiter = _Waiter(prompt, candidate)
+        waiter = _Waiter(prompt, candidate, allowed)
         self._waiters.append(waiter)
-        self._hand_out()
+        self.wake()
         try:
             # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancel that lands just as the slot is
             # handed over, and the cancelled caller would keep a slot it never releases.
@@ -144,19 +152,24 @@ class SlotPool:
         slot.last_used = time.monotonic()
         if content is not True:
             slot.content = content if isinstance(content, Content) else None
-        self._hand_out()
+        self.wake()
 
     def _take(self, choice: Choice) -> Choice:
         choice.slot.busy = True
         choice.slot.used = True
         return choice
 
-    def _hand_out(self) -> None:
-        while self._waiters:
-            idle = self.idle()
-            if not idle:
-                return
-            waiter = self._waiters.popleft()
+    def wake(self) -> None:
+        """Hand idle slots to the waiters, in arrival order; a waiter none of whose allowed slots is idle keeps
+        its place without holding up the ones behind it."""
+        for waiter in list(self._waiters):
             if waiter.future.done():
+                self._waiters.remove(waiter)
                 continue
+            idle = self.idle(waiter.allowed)
+            if not idle:
+                if not self.idle():
+                    return
+                continue
+            self._waiters.remove(waiter)
             waiter.future.set_result(self._take(choose(idle, waiter.prompt, waiter.candidate)))

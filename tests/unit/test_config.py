@@ -53,6 +53,12 @@ VALID = {
     "SAVE_RETRIES": "5",
     "SAVE_RETRY_DELAY_MS": "10",
     "SLOT_WAIT_TIMEOUT": "30",
+    "COALESCE_REQUESTS": "true",
+    "LPCACHE_API_KEYS": "k1, k2",
+    "MAX_BODY_BYTES": "1000",
+    "BREAKER_COOLDOWN_MS": "50",
+    "BREAKER_MAX_COOLDOWN_MS": "4000",
+    "SHUTDOWN_TIMEOUT": "5",
 }
 
 
@@ -171,6 +177,8 @@ def test_every_option_from_env() -> None:
     assert (s.meta_dir, s.meta_max, s.request_timeout, s.model_id) == ("/tmp/m", 4, 12.0, "mm")
     assert (s.host, s.port, s.llama_api_key, s.log_level) == ("127.0.0.1", 9999, "secret", "ERROR")
     assert (s.stream_queue_size, s.save_retries, s.save_retry_delay_ms, s.slot_wait_timeout) == (2, 5, 10, 30.0)
+    assert (s.coalesce_requests, s.api_keys, s.max_body_bytes) == (True, ("k1", "k2"), 1000)
+    assert (s.breaker_cooldown_ms, s.breaker_max_cooldown_ms, s.shutdown_timeout) == (50, 4000, 5.0)
 
 
 def test_blank_api_key_means_no_auth() -> None:
@@ -388,3 +396,32 @@ def test_help_text_in_process_mentions_every_variable() -> None:
     text = " ".join(build_parser().format_help().split())
     for o in OPTIONS:
         assert f"env {o.env}," in text, o.env
+
+
+def test_hardening_defaults() -> None:
+    s = load()
+    assert (s.coalesce_requests, s.api_keys, s.max_body_bytes) == (False, (), 32 * 1024 * 1024)
+    assert (s.breaker_cooldown_ms, s.breaker_max_cooldown_ms, s.shutdown_timeout) == (1000, 60000, 30.0)
+
+
+def test_api_keys_from_a_file(tmp_path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("# clients\nalpha\n\nbeta\n")
+    assert load(["--api-keys", f"@{keys}"]).api_keys == ("alpha", "beta")
+    with pytest.raises(ConfigError) as e:
+        load(LPCACHE_API_KEYS=f"@{tmp_path / 'missing'}")
+    assert e.value.variable == "LPCACHE_API_KEYS"
+
+
+@pytest.mark.parametrize("env", [
+    {"COALESCE_REQUESTS": "maybe"},
+    {"MAX_BODY_BYTES": "0"},
+    {"BREAKER_COOLDOWN_MS": "0"},
+    {"BREAKER_COOLDOWN_MS": "5000", "BREAKER_MAX_COOLDOWN_MS": "1000"},
+    {"SHUTDOWN_TIMEOUT": "-1"},
+    {"LPCACHE_API_KEYS": " , "},
+])
+def test_bad_hardening_values(env: dict[str, str]) -> None:
+    with pytest.raises(ConfigError) as e:
+        load(**env)
+    assert e.value.variable in env

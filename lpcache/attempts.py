@@ -1,0 +1,172 @@
+"""One chat request's way to a backend: take a slot, restore into it if that pays, send; and when the backend
+cannot be reached, or drops the connection before any byte went to the client, try another one.
+
+The failed backend is left out of the next try (the failed slot, when there is only one backend), its breaker
+opens, and the tries stop at REQUEST_TIMEOUT or when no slot is left to try. The relay asks for a retry through
+`retry` when an answer breaks before its first byte reached the client; once bytes went out, it cannot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+
+from .backends import Backend
+from .errors import BackendError, BackendUnreachable, ProxyError
+from .llama import error_message
+from .prefix import Prompt
+from .record import RequestRecord
+from .relay import Headers
+from .slots import Choice, Slot
+
+if TYPE_CHECKING:
+    from .pipeline import Pipeline
+
+log = logging.getLogger("lpcache.attempts")
+
+
+class Attempts:
+    """The tries of one request. `upstream` is the open answer of the current try."""
+
+    def __init__(self, pipeline: Pipeline, body: dict[str, Any], prompt: Prompt, big: bool, record: RequestRecord,
+                 client_auth: str | None) -> None:
+        self.p = pipeline
+        self.body, self.prompt, self.big, self.record, self.client_auth = body, prompt, big, record, client_auth
+        self.candidate = pipeline.find_saved(prompt) if big else None
+        self.excluded: set[int] = set()    # backends that failed this request
+        self.failed: set[Slot] = set()      # slots that failed this request
+        self.deadline = time.monotonic() + pipeline.settings.request_timeout
+        self.choice: Choice | None = None
+        self.backend: Backend | None = None
+        self.upstream: aiohttp.ClientResponse | None = None
+        self.sent = False                   # the current try's request went to the backend
+
+    # ---- what the relay uses ----
+
+    async def start(self) -> aiohttp.ClientResponse:
+        """Send the request, failing over while backends cannot be reached. Raises ProxyError."""
+        while True:
+            try:
+                self.upstream = await self._once()
+                return self.upstream
+            except BackendUnreachable as e:
+                self._failed(e)
+
+    async def retry(self, error: BaseException) -> aiohttp.ClientResponse:
+        """The answer broke before the client got a byte of it: try again elsewhere. Raises ProxyError."""
+        if self.upstream is not None:
+            self.upstream.close()
+        self._failed(BackendUnreachable(f"backend dropped the answer: {type(error).__name__}: {error}",
+                                        code="backend_unreachable"))
+        return await self.start()
+
+    def headers(self) -> Headers:
+        assert self.choice is not None and self.backend is not None
+        return [(b"x-lpcache-slot", f"{self.backend.index}:{self.choice.slot.id}".encode()),
+                (b"x-lpcache-restored", b"true" if self.record.restored else b"false"),
+                (b"x-lpcache-cache-hit", b"true" if self.record.cache_hit else b"false")]
+
+    def finish(self, delivered: bool) -> None:
+        """The answer is over (delivered whole, or the client left, or it broke): save, release, tell observers."""
+        if self.choice is None or self.backend is None:
+            self.p.notify(self.record)
+            return
+        choice, backend, self.choice = self.choice, self.backend, None
+        self.p.spawn(self.p.after(choice, backend, self.prompt, self.big, delivered, self.record))
+
+    def cancelled(self) -> None:
+        """The client left before the answer started."""
+        if self.choice is not None and self.backend is not None and self.sent and self.big:
+            # The backend was computing: what the slot holds is still worth saving.
+            self.finish(False)
+        elif self.choice is not None:
+            self.p.pool.release(self.choice.slot, None)
+            self.choice = None
+            self.p.notify(self.record)
+        else:
+            self.p.notify(self.record)
+
+    # ---- one try ----
+
+    def allowed(self) -> Callable[[Slot], bool]:
+        """Slots this request may take: not failed for it, on a backend whose breaker lets requests through (or,
+        when no untried backend does, on any untried backend: trying beats refusing)."""
+        backends = self.p.backends
+
+        def ok(slot: Slot) -> bool:
+            if slot in self.failed or slot.backend in self.excluded:
+                return False
+            if backends[slot.backend].available():
+                return True
+            return not any(b.available() for b in backends if b.index not in self.excluded)
+
+        return ok
+
+    async def _once(self) -> aiohttp.ClientResponse:
+        self.sent = False
+        choice = await self.p.take_slot(self.prompt, self.candidate, self.record, self.allowed())
+        backend = self.p.backends[choice.slot.backend]
+        self.choice, self.backend = choice, backend
+        backend.breaker.claim(time.monotonic())
+        try:
+            if choice.restore is not None:
+                await self.p.restore(choice, self.record)
+            self.record.cache_hit = bool(self.record.restored) or choice.resident > 0
+            self.sent = True
+            upstream = await backend.client.chat(self.body, choice.slot.id, client_auth=self.client_auth)
+        except BackendUnreachable:
+            raise
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            self.record.reason = _reason(e)
+            self._release(None if choice.restore is not None else True)
+            raise
+        if upstream.status != 200:
+            async with upstream:
+                raw = await upstream.read()
+            message, kind = error_message(upstream.status, raw)
+            if upstream.status >= 500 and upstream.status != 501:
+                backend.failed(f"HTTP {upstream.status}: {message}")
+            else:
+                backend.succeeded()
+            self.record.reason = f"provider_http_{upstream.status}"
+            self._release(None if choice.restore is not None else True)
+            raise BackendError(message, status=upstream.status, type=kind or "backend_error", code=upstream.status)
+        backend.succeeded()
+        return upstream
+
+    def _failed(self, error: BackendUnreachable) -> None:
+        """This try's backend could not be reached: mark it, free the slot, and give up when nothing is left."""
+        assert self.choice is not None and self.backend is not None
+        backend, slot = self.backend, self.choice.slot
+        backend.failed(error.message)
+        self._release(None)
+        self.failed.add(slot)
+        if len(self.p.backends) > 1:
+            self.excluded.add(backend.index)
+        self.record.retries += 1
+        ok = self.allowed()
+        if time.monotonic() >= self.deadline or not any(ok(s) for s in self.p.pool.slots):
+            self.record.reason = "backend_unreachable"
+            raise error
+        log.warning("failover from=%s#%d reason=%s try=%d", backend.url, slot.id, error.message,
+                    self.record.retries + 1)
+
+    def _release(self, content: Any) -> None:
+        if self.choice is not None:
+            self.p.pool.release(self.choice.slot, content)
+        self.choice = None
+
+
+def _reason(e: BaseException) -> str:
+    if isinstance(e, BackendError):
+        return f"provider_http_{e.status}"
+    if isinstance(e, ProxyError):
+        return {502: "backend_unreachable", 503: "slot_timeout"}.get(e.status, "backend_error")
+    return "internal_error"

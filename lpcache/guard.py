@@ -1,0 +1,72 @@
+"""The gate: client keys (plain ASGI middleware, before any route) and the body size limit (while reading it).
+
+Both answer in OpenAI's error shape. Keys are compared in constant time and never logged.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Sequence
+
+import orjson
+from starlette.requests import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from .errors import ProxyError
+
+OPEN_PATHS = frozenset({"/health"})  # a load balancer's health check needs no key
+
+
+async def send_error(send: Send, err: ProxyError, extra: Sequence[tuple[bytes, bytes]] = ()) -> None:
+    body = orjson.dumps(err.body())
+    await send({"type": "http.response.start", "status": err.status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *extra]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class ApiKeys:
+    """401 for a request without `Authorization: Bearer <key>` of a configured key (GET /health excepted)."""
+
+    def __init__(self, app: ASGIApp, keys: Sequence[str]) -> None:
+        if not keys:
+            raise ValueError("ApiKeys needs at least one key")
+        self.app = app
+        self.keys = [k.encode() for k in keys]
+
+    def allowed(self, scope: Scope) -> bool:
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                if scheme.lower() == b"bearer":
+                    token = token.strip()
+                    # compare with every key, so the time taken does not tell which one nearly matched
+                    return any([hmac.compare_digest(token, k) for k in self.keys])
+        return False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self.allowed(scope):
+            await self.app(scope, receive, send)
+            return
+        await send_error(send, ProxyError("invalid or missing API key (Authorization: Bearer <key>)", status=401,
+                                          type="authentication_error", code="invalid_api_key"),
+                         [(b"www-authenticate", b"Bearer")])
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The request body, or 413 as soon as it is known to pass `max_bytes`: from Content-Length before reading,
+    else while the chunks come in (a chunked upload is not read to its end)."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > max_bytes:
+        raise too_large(max_bytes)
+    chunks, seen = [], 0
+    async for chunk in request.stream():
+        seen += len(chunk)
+        if seen > max_bytes:
+            raise too_large(max_bytes)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def too_large(max_bytes: int) -> ProxyError:
+    return ProxyError(f"request body larger than {max_bytes} bytes (MAX_BODY_BYTES)", status=413,
+                      type="invalid_request_error", code="request_too_large")
