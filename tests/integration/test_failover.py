@@ -1,0 +1,191 @@
+"""Several stand-in backends: breakers, failover, recovery by probes, client keys, body limit."""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+
+from lpcache.config import BackendConfig
+from lpcache.mock_llama import MockConfig, start_mock
+from lpcache.testing import free_port
+
+from ..conftest import Proxy, user, words
+from .conftest import mock_stats
+
+SMALL = 20
+BIG = 200
+
+
+def fault(backend: Any, **faults: Any) -> None:
+    httpx.post(f"{backend.url}/mock/faults", json=faults).raise_for_status()
+
+
+def wait_for(condition: Any, timeout: float = 20.0) -> None:
+    """Poll a condition of lpcache's own state with a deadline (the prober works on its own clock)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+def breaker(proxy: Proxy, index: int) -> str:
+    return proxy.pipeline.backends[index].breaker.state
+
+
+def test_a_backend_down_at_start_is_marked_and_the_other_serves(start_backend: Any, start_proxy: Any) -> None:
+    good = start_backend()
+    proxy = start_proxy(BackendConfig(f"http://127.0.0.1:{free_port()}", 2), good)
+    assert breaker(proxy, 0) == "open"
+    for i in range(6):
+        r = proxy.chat(user(words(i, SMALL)))
+        assert r.status_code == 200 and r.headers["x-lpcache-slot"].startswith("1:")
+    health = proxy.client.get("/health")
+    assert health.status_code == 200
+    assert [b["state"] for b in health.json()["backends"]] == ["open", "closed"]
+
+
+def test_health_is_503_only_when_no_backend_can_serve(start_proxy: Any) -> None:
+    proxy = start_proxy(BackendConfig(f"http://127.0.0.1:{free_port()}", 1),
+                        BackendConfig(f"http://127.0.0.1:{free_port()}", 1), breaker_cooldown_ms=60000)
+    health = proxy.client.get("/health")
+    assert health.status_code == 503 and health.json()["status"] == "unavailable"
+    r = proxy.chat(user(words(1, SMALL)))
+    assert r.status_code == 502 and r.json()["error"]["type"] == "backend_unreachable"
+    assert proxy.busy_slots() == []
+
+
+def test_dropped_connection_fails_over_to_the_other_backend(start_backend: Any, start_proxy: Any) -> None:
+    a, b = start_backend(), start_backend()
+    proxy = start_proxy(a, b)
+    fault(a, drop=1)
+    fault(b, drop=0)
+    r = proxy.chat(user(words(1, SMALL)))   # the first idle slot is on a: dropped, then b
+    assert r.status_code == 200 and r.headers["x-lpcache-slot"].startswith("1:")
+    proxy.wait_finished(1)
+    assert proxy.records[0].retries == 1
+    assert breaker(proxy, 0) == "open"
+    assert proxy.busy_slots() == []
+
+
+def test_a_stream_that_breaks_before_its_first_byte_fails_over(start_backend: Any, start_proxy: Any) -> None:
+    a, b = start_backend(), start_backend()
+    proxy = start_proxy(a, b)
+    fault(a, stream_break_after=0, stream_break_count=1)
+    with proxy.client.stream("POST", "/v1/chat/completions",
+                             json={"messages": user(words(1, SMALL)), "stream": True, "max_tokens": 5}) as r:
+        raw = r.read()
+        assert r.headers["x-lpcache-slot"].startswith("1:")
+    assert raw.endswith(b"data: [DONE]\n\n") and raw.count(b"\n\n") == 5 + 3
+    proxy.wait_finished(1)
+    assert proxy.records[0].retries == 1
+
+
+def test_single_backend_failure_is_a_clean_502(start_backend: Any, start_proxy: Any) -> None:
+    backend = start_backend()
+    proxy = start_proxy(backend)
+    fault(backend, drop=100)
+    r = proxy.chat(user(words(1, SMALL)))
+    assert r.status_code == 502 and r.json()["error"]["type"] == "backend_unreachable"
+    proxy.wait_finished(1)
+    assert proxy.records[0].retries == 2          # both slots tried
+    assert proxy.busy_slots() == []
+
+
+def test_5xx_opens_the_breaker_and_the_next_request_goes_elsewhere(start_backend: Any, start_proxy: Any) -> None:
+    a, b = start_backend(), start_backend()
+    proxy = start_proxy(a, b, breaker_cooldown_ms=60000)
+    fault(a, status=500, status_count=1)
+    first = proxy.chat(user(words(1, SMALL)))
+    assert first.status_code == 500                # a backend's own error is passed on, not retried
+    assert breaker(proxy, 0) == "open"
+    for i in range(4):
+        assert proxy.chat(user(words(i + 2, SMALL))).headers["x-lpcache-slot"].startswith("1:")
+
+
+def test_cooldown_escalates_and_a_probe_closes_the_breaker(start_backend: Any, start_proxy: Any) -> None:
+    port = free_port()
+    good = start_backend()
+    proxy = start_proxy(BackendConfig(f"http://127.0.0.1:{port}", 2), good, breaker_cooldown_ms=100)
+    b0 = proxy.pipeline.backends[0]
+    wait_for(lambda: b0.breaker.failures >= 3)     # the prober failed again after each cooldown
+    assert b0.breaker.cooldown == pytest.approx(0.1 * 2 ** (b0.breaker.failures - 1), rel=0.01) or \
+        b0.breaker.cooldown == 60.0
+    revived = start_mock(MockConfig(port=port, slot_save_path=good.app_state.config.slot_save_path))
+    try:
+        wait_for(lambda: b0.breaker.state == "closed")
+        assert b0.breaker.failures == 0
+        seen = {proxy.chat(user(words(i, SMALL))).headers["x-lpcache-slot"][0] for i in range(6)}
+        assert seen == {"0", "1"}                  # the revived backend serves again
+    finally:
+        revived.stop()
+
+
+def test_backend_killed_mid_run_then_restarted(start_backend: Any, start_proxy: Any, slot_dir: str) -> None:
+    """Two backends, one stopped in the middle of 300 requests at concurrency 12: every request succeeds; the killed
+    one is cooled down, and once restarted on its port it serves again, without restarting lpcache."""
+    a, b = start_backend(gen_ms_per_token=1), start_backend(gen_ms_per_token=1)
+    port = a.port
+    proxy = start_proxy(a, b, breaker_cooldown_ms=100, breaker_max_cooldown_ms=400)
+    done = 0
+
+    def one(i: int) -> int:
+        nonlocal done
+        r = proxy.chat(user(words(i, SMALL)), max_tokens=4)
+        done += 1
+        return r.status_code
+
+    with ThreadPoolExecutor(12) as pool:
+        futures = [pool.submit(one, i) for i in range(300)]
+        wait_for(lambda: done >= 100)
+        a.stop()
+        statuses = [f.result() for f in futures]
+    assert statuses == [200] * 300
+    assert proxy.pipeline.backends[0].breaker.state != "closed"
+    revived = start_mock(MockConfig(port=port, slot_save_path=slot_dir))
+    try:
+        wait_for(lambda: proxy.pipeline.backends[0].breaker.state == "closed")
+        for i in range(8):
+            assert proxy.chat(user(words(1000 + i, SMALL)), max_tokens=1).status_code == 200
+        assert sum(mock_stats(revived)["chat_by_slot"].values()) >= 1
+    finally:
+        revived.stop()
+    proxy.settle()
+    assert proxy.busy_slots() == []
+
+
+def test_client_keys(start_backend: Any, start_proxy: Any, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    proxy = start_proxy(start_backend(), api_keys=("key-one", "key-two"))
+    assert proxy.chat(user(words(1, SMALL))).status_code == 401
+    bad = proxy.client.post("/v1/chat/completions", json={"messages": user("hi")},
+                            headers={"Authorization": "Bearer nope"})
+    assert bad.status_code == 401 and bad.json()["error"]["type"] == "authentication_error"
+    ok = proxy.client.post("/v1/chat/completions", json={"messages": user("hi")},
+                           headers={"Authorization": "Bearer key-two"})
+    assert ok.status_code == 200
+    assert proxy.client.get("/v1/models").status_code == 401
+    assert proxy.client.get("/tokenize").status_code == 401
+    assert proxy.client.get("/health").status_code == 200
+    assert "key-one" not in caplog.text and "key-two" not in caplog.text
+
+
+def test_body_size_limit(proxy: Proxy, start_proxy: Any, backend: Any) -> None:
+    small = start_proxy(backend, max_body_bytes=1000)
+    big_body = {"messages": user(words(1, 400))}
+    r = small.client.post("/v1/chat/completions", json=big_body)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+    def chunks() -> Any:
+        for _ in range(20):
+            yield b"x" * 100
+
+    chunked = small.client.post("/v1/chat/completions", content=chunks(),
+                                headers={"content-type": "application/json"})
+    assert chunked.status_code == 413
+    assert small.client.post("/tokenize", content=b"x" * 2000).status_code == 413
+    assert small.busy_slots() == [] and mock_stats(backend)["chat_requests"] == 0
