@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from .backends import Backend
+from .coalesce import Group
 from .errors import BackendError, BackendUnreachable, ProxyError
 from .llama import error_message
 from .prefix import Prompt
@@ -45,6 +46,7 @@ class Attempts:
         self.backend: Backend | None = None
         self.upstream: aiohttp.ClientResponse | None = None
         self.sent = False                   # the current try's request went to the backend
+        self.group: Group | None = None     # when coalescing: the followers waiting for this answer
 
     # ---- what the relay uses ----
 
@@ -71,8 +73,28 @@ class Attempts:
                 (b"x-lpcache-restored", b"true" if self.record.restored else b"false"),
                 (b"x-lpcache-cache-hit", b"true" if self.record.cache_hit else b"false")]
 
+    def tee(self, chunk: bytes) -> None:
+        """A piece of the answer, as it goes to the client: the followers get it too."""
+        if self.group is not None:
+            self.group.feed(chunk)
+
+    def end_group(self, error: dict[str, Any] | None) -> None:
+        """Tell the followers the answer is complete (error None) or failed, and let a new group start."""
+        if self.group is None:
+            return
+        if error is None:
+            self.group.finish(200)
+        else:
+            self.record.reason = self.record.reason or "coalesce_leader_failed"
+            self.group.fail(error)
+        self.p.coalescer.close(self.group)
+        self.group = None
+
     def finish(self, delivered: bool) -> None:
         """The answer is over (delivered whole, or the client left, or it broke): save, release, tell observers."""
+        self.end_group(None if delivered else {"error": {
+            "message": f"the shared answer did not complete ({self.record.reason or 'failed'})",
+            "type": "backend_error", "code": 502}})
         if self.choice is None or self.backend is None:
             self.p.notify(self.record)
             return

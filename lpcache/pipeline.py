@@ -20,13 +20,14 @@ from starlette.types import ASGIApp
 
 from .attempts import Attempts
 from .backends import Backend
+from .coalesce import Coalescer, coalesce_key
 from .config import Settings
-from .errors import BadRequest, ClientGone, SlotsBusy
+from .errors import BadRequest, ClientGone, ProxyError, SlotsBusy
 from .guard import read_body
 from .index import Candidate, MetaEntry, MetaIndex
 from .prefix import Prompt
 from .record import Observer, RequestRecord
-from .relay import ClientWatch, JsonRelay, SseRelay
+from .relay import ClientWatch, FollowerRelay, JsonRelay, SseRelay
 from .slots import Choice, Content, Slot, SlotPool
 
 log = logging.getLogger("lpcache.pipeline")
@@ -68,6 +69,7 @@ class Pipeline:
         self.index = index
         self.observers = list(observers)
         self.tasks: set[asyncio.Task[Any]] = set()
+        self.coalescer = Coalescer()
 
     # ---- the steps ----
 
@@ -87,9 +89,17 @@ class Pipeline:
 
         # From here on a client that leaves cancels the work: waiting for a slot, restoring, or generating.
         watch = ClientWatch(request.receive)
+        group = None
+        if self.settings.coalesce_requests:
+            group, leader = self.coalescer.join(coalesce_key(body), stream)
+            if not leader:
+                record.coalesced = True
+                return FollowerRelay(group, stream, record, watch, self.notify)
+            record.coalesced = False
         # With client keys, Authorization is lpcache's own; without, it goes on to llama-server as it came.
         client_auth = None if self.settings.api_keys else request.headers.get("authorization")
         attempts = Attempts(self, body, prompt, big, record, client_auth)
+        attempts.group = group
         try:
             await attempts.start()
         except asyncio.CancelledError:
@@ -97,10 +107,17 @@ class Pipeline:
             if not watch.left():
                 raise
             record.reason = "client_disconnected"
+            attempts.end_group({"error": {"message": "the client that asked first left", "type": "backend_error",
+                                          "code": 502}})
             attempts.cancelled()
             raise ClientGone() from None
+        except ProxyError as e:
+            watch.stop()
+            attempts.end_group(e.body())
+            raise
         except BaseException:
             watch.stop()
+            attempts.end_group({"error": {"message": "internal error", "type": "server_error", "code": 500}})
             raise
         if stream:
             return SseRelay(attempts, record, watch, self.settings.stream_queue_size, started)

@@ -12,13 +12,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import aiohttp
 import orjson
 from starlette.types import Message, Receive, Scope, Send
 
+from .coalesce import Group
 from .errors import ProxyError
 from .record import RequestRecord
 
@@ -77,6 +78,8 @@ class Source(Protocol):
 
     def headers(self) -> Headers: ...
 
+    def tee(self, chunk: bytes) -> None: ...
+
     def finish(self, delivered: bool) -> None: ...
 
 
@@ -107,6 +110,7 @@ class JsonRelay:
                 doc = None
             if isinstance(doc, dict):
                 self.record.take_usage(doc)
+                self.source.tee(raw)
             else:
                 err = ProxyError("backend answered a body that is not a JSON object", status=502,
                                  type="backend_error", code="provider_non_object")
@@ -207,6 +211,7 @@ class SseRelay:
             self.record.status = 200
             while isinstance(item, bytes):
                 self.record.bytes_out += len(item)
+                self.source.tee(item)
                 await send({"type": "http.response.body", "body": item, "more_body": True})
                 item = await queue.get()
             if isinstance(item, BaseException):
@@ -236,6 +241,45 @@ class SseRelay:
             if self.source.upstream is not None:
                 self.source.upstream.release() if delivered else self.source.upstream.close()
             self.source.finish(delivered)
+
+
+class FollowerRelay:
+    """A coalesced request: it sends the answer of the identical request that went first, from its first byte,
+    converted when the two differ in streaming."""
+
+    def __init__(self, group: Group, stream: bool, record: RequestRecord, watch: ClientWatch,
+                 done: Callable[[RequestRecord], None]) -> None:
+        self.group, self.stream, self.record, self.watch, self.done = group, stream, record, watch, done
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            if self.stream:
+                started = False
+                async for chunk in self.group.as_stream():
+                    if not started:
+                        await send({"type": "http.response.start", "status": 200, "headers": [
+                            (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
+                            (b"x-lpcache-coalesced", b"true")]})
+                        started, self.record.status = True, 200
+                    self.record.bytes_out += len(chunk)
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            else:
+                status, body = await self.group.as_json()
+                self.record.status, self.record.bytes_out = status, len(body)
+                await send({"type": "http.response.start", "status": status, "headers": [
+                    *_headers(b"application/json"), (b"content-length", str(len(body)).encode()),
+                    (b"x-lpcache-coalesced", b"true")]})
+                await send({"type": "http.response.body", "body": body, "more_body": False})
+            if self.group.error is not None:
+                self.record.reason = "coalesce_leader_failed"
+        except asyncio.CancelledError:
+            if not self.watch.left():
+                raise
+            self.record.reason = "client_disconnected"
+        finally:
+            self.watch.stop()
+            self.done(self.record)
 
 
 async def _send_error(send: Send, err: ProxyError, record: RequestRecord) -> None:
