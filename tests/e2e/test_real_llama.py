@@ -221,3 +221,31 @@ def test_json_client_hanging_up_stops_generation_and_frees_the_slot(llama: Llama
         assert not any(s["is_processing"] for s in httpx.get(f"{llama.url}/slots").json())
     finally:
         proxy.stop()
+
+
+def test_two_servers_serve_each_conversation_where_its_cache_is(tmp_path: Any) -> None:
+    """Two llama-servers (-np 2, --cache-ram 0, separate slot-save folders), four conversations taking turns."""
+    with LlamaServer(str(tmp_path / "slots-a"), n_slots=2, cache_ram=0) as a, \
+            LlamaServer(str(tmp_path / "slots-b"), n_slots=2, cache_ram=0) as b:
+        proxy = Proxy(Settings(backends=(BackendConfig(a.url, None, a.slot_save_path),
+                                         BackendConfig(b.url, None, b.slot_save_path)),
+                               meta_dir=str(tmp_path / "meta"), host="127.0.0.1"))
+        try:
+            talks = [conversation(20 + i, 560) for i in range(4)]
+            where: dict[int, set[str]] = {i: set() for i in range(4)}
+            sent: dict[int, list[dict[str, Any]]] = {}
+            for turn in range(3):
+                for i in range(4):
+                    r = proxy.post(body(talks[i], max_tokens=12))
+                    assert r.status_code == 200
+                    where[i].add(r.headers["x-lpcache-slot"])
+                    if turn > 0:
+                        common = shared(tokens(a.url, sent[i]), tokens(a.url, talks[i]))
+                        assert r.json()["timings"]["cache_n"] >= 0.9 * common, (i, turn)
+                    sent[i] = talks[i]
+                    talks[i] = follow_up(talks[i], r.json()["choices"][0]["message"]["content"])
+            backends_used = {slot.split(":")[0] for slots in where.values() for slot in slots}
+            assert backends_used == {"0", "1"}
+            assert all(len(slots) == 1 for slots in where.values())   # each conversation stayed where its cache is
+        finally:
+            proxy.stop()
