@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx
 import pytest
+from orjson import loads as orjson_loads
 
 from lpcache.config import BackendConfig
 from lpcache.mock_llama import MockConfig, start_mock
@@ -126,25 +127,37 @@ def test_cooldown_escalates_and_a_probe_closes_the_breaker(start_backend: Any, s
 
 
 def test_backend_killed_mid_run_then_restarted(start_backend: Any, start_proxy: Any, slot_dir: str) -> None:
-    """Two backends, one stopped in the middle of 300 requests at concurrency 12: every request succeeds; the killed
-    one is cooled down, and once restarted on its port it serves again, without restarting lpcache."""
+    """Two backends, one stopped in the middle of 500 requests at concurrency 16 (a quarter of them streamed): every
+    request that had no byte sent to its client succeeds on the other backend; a stream cut after its first bytes
+    ends with an error event. The killed backend is cooled down, and once restarted on its port it serves again,
+    without restarting lpcache."""
     a, b = start_backend(gen_ms_per_token=1), start_backend(gen_ms_per_token=1)
     port = a.port
     proxy = start_proxy(a, b, breaker_cooldown_ms=100, breaker_max_cooldown_ms=400)
     done = 0
 
-    def one(i: int) -> int:
+    def one(i: int) -> tuple[bool, int, bytes]:
         nonlocal done
-        r = proxy.chat(user(words(i, SMALL)), max_tokens=4)
+        stream = i % 4 == 0
+        r = proxy.client.post("/v1/chat/completions", json={"messages": user(words(i, SMALL)), "max_tokens": 4,
+                                                            "stream": stream})
         done += 1
-        return r.status_code
+        return stream, r.status_code, r.content
 
-    with ThreadPoolExecutor(12) as pool:
-        futures = [pool.submit(one, i) for i in range(300)]
-        wait_for(lambda: done >= 100)
+    with ThreadPoolExecutor(16) as pool:
+        futures = [pool.submit(one, i) for i in range(500)]
+        wait_for(lambda: done >= 150)
         a.stop()
-        statuses = [f.result() for f in futures]
-    assert statuses == [200] * 300
+        results = [f.result() for f in futures]
+    for stream, status, content in results:
+        assert status == 200
+        if stream:
+            assert content.endswith(b"data: [DONE]\n\n") or content.rstrip().split(b"\n\n")[-1].startswith(
+                b'data: {"error"')
+        else:
+            assert orjson_loads(content)["choices"][0]["message"]["content"]
+    cut = [c for s_, _, c in results if s_ and not c.endswith(b"data: [DONE]\n\n")]
+    print(f"\n500 requests, backend killed after {150}+: {len(cut)} stream(s) cut after their first bytes")
     assert proxy.pipeline.backends[0].breaker.state != "closed"
     revived = start_mock(MockConfig(port=port, slot_save_path=slot_dir))
     try:
@@ -155,6 +168,19 @@ def test_backend_killed_mid_run_then_restarted(start_backend: Any, start_proxy: 
     finally:
         revived.stop()
     proxy.settle()
+    assert proxy.busy_slots() == []
+
+
+def test_three_backends_two_failing(start_backend: Any, start_proxy: Any) -> None:
+    a, b, c = start_backend(), start_backend(), start_backend()
+    proxy = start_proxy(a, b, c, breaker_cooldown_ms=60000)
+    fault(a, drop=100)
+    fault(b, status=503, status_count=-1)
+    statuses = [proxy.chat(user(words(i, SMALL))).status_code for i in range(10)]
+    # a drops connections: failover; b answers 503: passed on once, then its breaker keeps requests away
+    assert statuses.count(503) == 1 and statuses.count(200) == 9
+    assert [breaker(proxy, i) for i in range(3)] == ["open", "open", "closed"]
+    assert mock_stats(c)["chat_requests"] == 9
     assert proxy.busy_slots() == []
 
 
