@@ -90,9 +90,13 @@ class Attempts:
         self.p.coalescer.close(self.group)
         self.group = None
 
-    def finish(self, delivered: bool) -> None:
-        """The answer is over (delivered whole, or the client left, or it broke): save, release, tell observers."""
-        self.end_group(None if delivered else {"error": {
+    def followers(self) -> int:
+        return self.group.followers if self.group is not None else 0
+
+    def finish(self, delivered: bool, complete: bool | None = None) -> None:
+        """The answer is over (delivered whole, or the client left, or it broke): save, release, tell observers.
+        `complete`: the backend's answer was read whole (for coalesced followers), even if the client left."""
+        self.end_group(None if (delivered if complete is None else complete) else {"error": {
             "message": f"the shared answer did not complete ({self.record.reason or 'failed'})",
             "type": "backend_error", "code": 502}})
         if self.choice is None or self.backend is None:

@@ -80,7 +80,9 @@ class Source(Protocol):
 
     def tee(self, chunk: bytes) -> None: ...
 
-    def finish(self, delivered: bool) -> None: ...
+    def followers(self) -> int: ...
+
+    def finish(self, delivered: bool, complete: bool | None = None) -> None: ...
 
 
 class JsonRelay:
@@ -190,7 +192,7 @@ class SseRelay:
         delivered = False
         watch = self.watch
         reader: asyncio.Future[None] | None = None
-        started = False
+        started = complete = False
         try:
             while True:  # one pass per try; a try that breaks before its first chunk is replaced
                 upstream = self.source.upstream
@@ -209,11 +211,7 @@ class SseRelay:
                 *self.source.headers()]})
             started = True
             self.record.status = 200
-            while isinstance(item, bytes):
-                self.record.bytes_out += len(item)
-                self.source.tee(item)
-                await send({"type": "http.response.body", "body": item, "more_body": True})
-                item = await queue.get()
+            item = await self._pump(send, queue, item)
             if isinstance(item, BaseException):
                 # Bytes already went out: end the stream with a well-formed error event, never a hang.
                 self.record.reason = "backend_unreachable"
@@ -229,6 +227,9 @@ class SseRelay:
             if not watch.left():
                 raise
             self.record.reason = "client_disconnected"
+            if started and self.source.followers():
+                # Coalesced requests wait for this answer: read it to the end for them.
+                complete = not isinstance(await self._pump(None, queue, await queue.get()), BaseException)
         except ProxyError as e:   # every try failed before a byte went out
             self.record.reason = self.record.reason or "backend_unreachable"
             await _send_error(send, e, self.record)
@@ -239,8 +240,18 @@ class SseRelay:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await reader
             if self.source.upstream is not None:
-                self.source.upstream.release() if delivered else self.source.upstream.close()
-            self.source.finish(delivered)
+                self.source.upstream.release() if delivered or complete else self.source.upstream.close()
+            self.source.finish(delivered, complete or delivered)
+
+    async def _pump(self, send: Send | None, queue: asyncio.Queue[object], item: object) -> object:
+        """Pass chunks on (to the followers, and to the client unless it left) until the end marker, returned."""
+        while isinstance(item, bytes):
+            self.source.tee(item)
+            if send is not None:
+                self.record.bytes_out += len(item)
+                await send({"type": "http.response.body", "body": item, "more_body": True})
+            item = await queue.get()
+        return item
 
 
 class FollowerRelay:

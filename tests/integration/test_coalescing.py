@@ -126,3 +126,25 @@ def test_followers_get_the_leaders_error(start_backend: Any, start_proxy: Any) -
     assert follower.status_code == 502 and follower.json()["error"]["message"]
     proxy.wait_finished(2)
     assert proxy.busy_slots() == [] and len(proxy.pipeline.coalescer) == 0
+
+
+def test_followers_still_get_the_answer_when_the_first_client_leaves(start_backend: Any, start_proxy: Any) -> None:
+    backend = start_backend(gen_ms_per_token=30)
+    proxy = start_proxy(backend, coalesce_requests=True)
+    with ThreadPoolExecutor(1) as pool:
+        with proxy.client.stream("POST", "/v1/chat/completions",
+                                 json={"messages": QUESTION, "max_tokens": 40, "temperature": 0,
+                                       "stream": True}) as lead:
+            chunks = lead.iter_raw()
+            next(chunks)
+            # (a client of its own: the leader's httpx client holds its pool while that stream is open)
+            follower = pool.submit(httpx.post, f"{proxy.url}/v1/chat/completions", timeout=60, json={
+                "messages": QUESTION, "max_tokens": 40, "temperature": 0, "stream": False})
+            until(lambda: bool(proxy.pipeline.coalescer.active()) and proxy.pipeline.coalescer.active()[0][1] == 1)
+        # the first client is gone; the follower still gets the whole answer
+        r = follower.result()
+    assert r.status_code == 200 and len(content_of(r, False).split()) == 40
+    proxy.wait_finished(2)
+    leader_record = next(rec for rec in proxy.records if not rec.coalesced)
+    assert leader_record.reason == "client_disconnected"
+    assert mock_stats(backend)["chat_requests"] == 1 and proxy.busy_slots() == []
