@@ -138,18 +138,20 @@ class Attempts:
         choice = await self.p.take_slot(self.prompt, self.candidate, self.record, self.allowed())
         backend = self.p.backends[choice.slot.backend]
         self.choice, self.backend = choice, backend
-        backend.breaker.claim(time.monotonic())
         try:
             if choice.restore is not None:
                 await self.p.restore(choice, self.record)
             self.record.cache_hit = bool(self.record.restored) or choice.resident > 0
             self.sent = True
+            backend.breaker.claim(time.monotonic())   # when half-open, this request is the probe
             upstream = await backend.client.chat(self.body, choice.slot.id, client_auth=self.client_auth)
         except BackendUnreachable:
             raise
         except asyncio.CancelledError:
+            backend.breaker.unclaim()
             raise
         except BaseException as e:
+            backend.breaker.unclaim()
             self.record.reason = _reason(e)
             self._release(None if choice.restore is not None else True)
             raise

@@ -59,6 +59,10 @@ class Breaker:
         if self.state == HALF_OPEN:
             self.probing = True
 
+    def unclaim(self) -> None:
+        """The probe never reached the backend (the client left, the body could not be sent): let another try."""
+        self.probing = False
+
     def success(self) -> None:
         self.state, self.failures, self.cooldown, self.probing = CLOSED, 0, 0.0, False
 

@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from .errors import BackendError, BackendUnreachable
+from .errors import BackendError, BackendUnreachable, BadRequest
 
 log = logging.getLogger("lpcache.llama")
 
@@ -91,7 +91,11 @@ class LlamaClient:
             pin(body, slot)
             params = {"id_slot": str(slot)}
         auth = self.headers or ({"Authorization": client_auth} if client_auth else {})
-        return await self._send("POST", path, params=params, data=orjson.dumps(body),
+        try:
+            data = orjson.dumps(body)
+        except TypeError as e:  # orjson reads 1024 levels of nesting but writes only 254
+            raise BadRequest(f"request body cannot be passed on: {e}", code="invalid_body") from e
+        return await self._send("POST", path, params=params, data=data,
                                 headers={**auth, "Content-Type": "application/json"})
 
     async def slot_action(self, slot: int, action: str, filename: str | None = None) -> SlotAction:
