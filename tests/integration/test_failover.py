@@ -215,3 +215,34 @@ def test_body_size_limit(proxy: Proxy, start_proxy: Any, backend: Any) -> None:
     assert chunked.status_code == 413
     assert small.client.post("/tokenize", content=b"x" * 2000).status_code == 413
     assert small.busy_slots() == [] and mock_stats(backend)["chat_requests"] == 0
+
+
+def test_restores_go_only_to_kv_cache_backends_that_can_read_the_file(start_backend: Any, start_proxy: Any,
+                                                                       tmp_path: Any) -> None:
+    plain_dir = tmp_path / "plain"
+    plain_dir.mkdir()
+    plain = start_backend(slots=1, slot_save_path=str(plain_dir))
+    kv = start_backend(slots=1)
+    proxy = start_proxy(BackendConfig(plain.url, 1, str(plain_dir), kv_cache=False),
+                        BackendConfig(kv.url, 1, kv.app_state.config.slot_save_path))
+    y = words(2, BIG)
+    for text in (words(1, BIG), y, words(3, BIG), words(4, BIG)):   # y saved on kv, then pushed out of its slot
+        assert proxy.chat(user(text)).status_code == 200
+    proxy.settle()
+    r = proxy.chat(user(y + " and more"))
+    assert r.headers["x-lpcache-slot"] == "1:0" and r.headers["x-lpcache-restored"] == "true"
+    proxy.settle()
+    assert mock_stats(plain)["saves"] == 0 and mock_stats(plain)["restores"] == 0
+    assert list(plain_dir.iterdir()) == []
+
+
+def test_a_hanging_backend_times_out_and_is_cooled_down(start_backend: Any, start_proxy: Any) -> None:
+    a, b = start_backend(), start_backend()
+    proxy = start_proxy(a, b, request_timeout=1.0, breaker_cooldown_ms=60000)
+    fault(a, hang=1)
+    r = proxy.chat(user(words(1, SMALL)))
+    assert r.status_code == 502 and r.json()["error"]["type"] == "backend_unreachable"
+    assert breaker(proxy, 0) == "open"
+    assert proxy.chat(user(words(2, SMALL))).headers["x-lpcache-slot"].startswith("1:")
+    proxy.settle()
+    assert proxy.busy_slots() == []
