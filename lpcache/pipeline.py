@@ -28,9 +28,11 @@ from .index import Candidate, MetaEntry, MetaIndex
 from .prefix import Prompt
 from .record import Observer, RequestRecord
 from .relay import ClientWatch, FollowerRelay, JsonRelay, SseRelay
-from .slots import Choice, Content, Slot, SlotPool
+from .slots import Choice, Content, Slot, SlotPool, worth_waiting_for
 
 log = logging.getLogger("lpcache.pipeline")
+
+OWN_SLOT_WAIT = 10.0  # seconds a request waits for the busy slot that holds its conversation before going elsewhere
 
 
 def parse_chat_body(raw: bytes) -> dict[str, Any]:
@@ -140,11 +142,24 @@ class Pipeline:
 
     async def take_slot(self, prompt: Prompt, candidate: Candidate | None, record: RequestRecord,
                         allowed: Callable[[Slot], bool] | None = None) -> Choice:
-        try:
-            choice = await self.pool.acquire(prompt, candidate, allowed)
-        except SlotsBusy:
-            record.reason = "slot_timeout"
-            raise
+        """A slot for the request: an idle one, or, when a busy slot will hold far more of the prompt (the
+        previous turn of the conversation, still being answered or saved), that one after a bounded wait."""
+        choice = None
+        target = worth_waiting_for(self.pool.slots, prompt, candidate, allowed)
+        if target is not None:
+            try:
+                choice = await self.pool.acquire(prompt, candidate, lambda s: s is target,
+                                                 timeout=min(OWN_SLOT_WAIT, self.settings.slot_wait_timeout))
+                log.debug("waited_for_slot slot=%s key=%s", target.name, prompt.key[:16])
+            except SlotsBusy:
+                log.info("own_slot_still_busy slot=%s: taking another", target.name)
+        if choice is None:
+            try:
+                choice = await self.pool.acquire(prompt, candidate, allowed)
+            except SlotsBusy:
+                record.reason = "slot_timeout"
+                raise
+        choice.slot.pending = Content(prompt.key, prompt.chain)
         record.backend, record.slot = self.backends[choice.slot.backend].url, choice.slot.id
         return choice
 

@@ -39,6 +39,7 @@ class Slot:
     used: bool = False    # has served a request through lpcache
     last_used: float = 0.0
     content: Content | None = None
+    pending: Content | None = None   # while busy: what it will hold once the request in it is done
 
     @property
     def name(self) -> str:
@@ -86,6 +87,29 @@ def choose(idle: Sequence[Slot], prompt: Prompt | None, candidate: Candidate | N
     return Choice(_coldest(idle), None, 0)
 
 
+def worth_waiting_for(slots: Sequence[Slot], prompt: Prompt | None, candidate: Candidate | None,
+                      allowed: Callable[[Slot], bool] | None = None) -> Slot | None:
+    """A busy slot that will hold far more of the prompt than any idle slot or saved cache: typically the previous
+    turn of the same conversation, still generating or being saved. Waiting for it beats a prefill elsewhere.
+    "Far more": at least a quarter of the prompt's blocks (and 2 blocks) beyond the best alternative."""
+    if prompt is None or not prompt.chain:
+        return None
+    best: Slot | None = None
+    busy_shared, other = 0, candidate.shared if candidate is not None else 0
+    for slot in slots:
+        if allowed is not None and not allowed(slot):
+            continue
+        held = (slot.pending or slot.content) if slot.busy else slot.content
+        shared = common_prefix(held.chain, prompt.chain) if held is not None else 0
+        if slot.busy and shared > busy_shared:
+            best, busy_shared = slot, shared
+        elif not slot.busy:
+            other = max(other, shared)
+    if best is not None and busy_shared - other >= max(2, len(prompt.chain) // 4):
+        return best
+    return None
+
+
 def _coldest(slots: Sequence[Slot]) -> Slot:
     """A never-used slot first, else the least recently used; ties go to the lowest backend, then slot id."""
     return min(slots, key=lambda s: (s.used, s.last_used, s.backend, s.id))
@@ -120,9 +144,9 @@ class SlotPool:
         self.wake()
 
     async def acquire(self, prompt: Prompt | None, candidate: Candidate | None = None,
-                      allowed: Callable[[Slot], bool] | None = None) -> Choice:
+                      allowed: Callable[[Slot], bool] | None = None, timeout: float | None = None) -> Choice:
         """Take a slot (among those `allowed`, when given); raise SlotsBusy (503) when none comes free within the
-        wait timeout."""
+        wait timeout (`timeout`, else the pool's)."""
         idle = self.idle(allowed)
         if idle and not self._waiters:
             return self._take(choose(idle, prompt, candidate))
@@ -132,7 +156,7 @@ class SlotPool:
         try:
             # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancel that lands just as the slot is
             # handed over, and the cancelled caller would keep a slot it never releases.
-            async with asyncio.timeout(self.wait_timeout):
+            async with asyncio.timeout(self.wait_timeout if timeout is None else timeout):
                 return await asyncio.shield(waiter.future)
         except (TimeoutError, asyncio.CancelledError) as e:
             if waiter in self._waiters:
@@ -149,6 +173,7 @@ class SlotPool:
         if not slot.busy:
             return
         slot.busy = False
+        slot.pending = None
         slot.last_used = time.monotonic()
         if content is not True:
             slot.content = content if isinstance(content, Content) else None

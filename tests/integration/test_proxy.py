@@ -404,3 +404,17 @@ def test_a_stream_broken_by_the_backend_ends_with_an_error_event(proxy: Proxy, b
     proxy.wait_finished(1)
     assert proxy.records[0].reason == "backend_unreachable"
     assert proxy.busy_slots() == []
+
+
+def test_next_turn_waits_for_its_own_slot_while_the_last_one_is_saved(proxy: Proxy, backend: Any) -> None:
+    """The previous turn is still being saved (slow saves): the next turn waits for that slot, which holds the
+    conversation, instead of prefilling it all on the idle one."""
+    httpx.post(f"{backend.url}/mock/faults", json={"latency_ms": 300, "paths": ["/slots/0", "/slots/1"]})
+    first = words(1, BIG)
+    r1 = proxy.chat(user(first))
+    r2 = proxy.chat(user(first + " and the next turn"))    # sent while the first turn's save takes 300 ms
+    assert r2.headers["x-lpcache-slot"] == r1.headers["x-lpcache-slot"]
+    assert r2.headers["x-lpcache-restored"] == "false"
+    assert r2.json()["timings"]["cache_n"] > BIG
+    proxy.wait_finished(2)
+    assert mock_stats(backend)["restores"] == 0

@@ -400,3 +400,23 @@ async def test_release_updates_last_used_for_lru() -> None:
     pool.release(a.slot)
     assert s0.last_used >= s1.last_used > 0.0
     assert not any(s.busy for s in pool.slots)
+
+
+def test_worth_waiting_for_a_busy_slot_that_will_hold_the_conversation() -> None:
+    from lpcache.slots import worth_waiting_for
+
+    conv = Prompt.of("m", [{"role": "user", "content": " ".join(f"w{i}" for i in range(40))}], 2)
+    nxt = Prompt.of("m", [{"role": "user", "content": " ".join(f"w{i}" for i in range(44))}], 2)
+    busy = Slot(0, 0, busy=True, used=True)
+    idle = Slot(0, 1, used=True)
+    busy.pending = Content(conv.key, conv.chain)
+    assert worth_waiting_for([busy, idle], nxt, None) is busy
+    # an idle slot that holds it as well: no reason to wait
+    idle.content = Content(conv.key, conv.chain)
+    assert worth_waiting_for([busy, idle], nxt, None) is None
+    # a small gain is not worth a wait
+    idle.content = Content(conv.key, conv.chain[:19])
+    assert worth_waiting_for([busy, idle], nxt, None) is None
+    # the filter of the request applies
+    idle.content = None
+    assert worth_waiting_for([busy, idle], nxt, None, allowed=lambda s: s is not busy) is None
