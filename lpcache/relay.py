@@ -21,6 +21,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from .coalesce import Group
 from .errors import ProxyError
+from .llama import HOP_HEADERS
 from .record import RequestRecord
 
 log = logging.getLogger("lpcache.relay")
@@ -311,8 +312,6 @@ class PassThrough:
         self.record = record
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        from .llama import HOP_HEADERS
-
         headers = [(k.lower().encode(), v.encode()) for k, v in self.upstream.headers.items()
                    if k.lower() not in HOP_HEADERS or k.lower() == "content-length"]
         self.record.status = self.upstream.status
