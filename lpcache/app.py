@@ -26,8 +26,11 @@ from .config import Settings, describe
 from .errors import BackendUnreachable, ClientGone, ProxyError
 from .guard import ApiKeys, read_body
 from .index import MetaIndex
+from .metrics import Metrics
 from .pipeline import Pipeline
-from .record import RequestRecord, log_record
+from .plugins.registry import Loaded
+from .plugins.registry import build as build_plugins
+from .record import Observer, RequestRecord, log_record
 from .relay import PassThrough
 from .slots import SlotPool
 
@@ -121,7 +124,7 @@ async def forward(request: Request) -> ASGIApp:
             backend.failed(e.message)
             error = e
             continue
-        return PassThrough(upstream, record)
+        return PassThrough(upstream, record, pipeline.notify)
     assert error is not None
     record.status, record.reason = error.status, "backend_unreachable"
     return error_response(error)
@@ -132,8 +135,40 @@ async def internal_error(request: Request, exc: Exception) -> Response:
     return error_response(ProxyError("internal error in lpcache; see its log", code="internal_error"))
 
 
-def create_app(settings: Settings) -> Starlette:
-    """Build the app. Backends are contacted and the meta index loaded when it starts (ASGI lifespan)."""
+def proxy_state(pipeline: Pipeline | None) -> dict[str, object]:
+    """Live state for the dashboard: backends with breaker and slots, waiting requests, coalesced groups, cache."""
+    if pipeline is None:
+        return {}
+    now = time.monotonic()
+    return {
+        "backends": [{"url": b.url, "kv_cache": b.kv_cache, **b.breaker.describe(now), "slots": [
+            {"id": s.id, "busy": s.busy, "used": s.used, "holds": s.content.key[:16] if s.content else None}
+            for s in pipeline.pool.slots if s.backend == b.index]} for b in pipeline.backends],
+        "in_flight": sum(1 for s in pipeline.pool.slots if s.busy),
+        "waiting": pipeline.pool.waiting,
+        "coalesced_groups": len(pipeline.coalescer),
+        "cache_entries": len(pipeline.index),
+    }
+
+
+def create_app(settings: Settings, plugins: Loaded | None = None) -> Starlette:
+    """Build the app. Plugins are built from `settings.plugins` unless given (PluginError on a bad spec); backends
+    are contacted and the meta index loaded when it starts (ASGI lifespan)."""
+    plugins = build_plugins(settings.plugins) if plugins is None else plugins
+    metrics = Metrics(lambda: getattr(app.state, "pipeline", None))
+    excluded = {path for r in plugins.routes for path in r.excluded_paths()}
+
+    def observers() -> list[Observer]:
+        chosen: list[Observer] = [log_record, metrics.observe, *(o.finished for o in plugins.observers)]
+        if not excluded:
+            return chosen
+        def skipping(observer: Observer) -> Observer:
+            def observe(record: RequestRecord) -> None:
+                if record.path.split("?", 1)[0] not in excluded:
+                    observer(record)
+            return observe
+
+        return [skipping(o) for o in chosen]
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -143,18 +178,28 @@ def create_app(settings: Settings) -> Starlette:
             backends = await start_backends(settings, session)
             loaded = await asyncio.to_thread(index.load)
             pool = SlotPool([s for b in backends for s in b.slots()], settings.slot_wait_timeout)
-            app.state.pipeline = Pipeline(settings, backends, pool, index, observers=[log_record])
+            app.state.pipeline = Pipeline(settings, backends, pool, index, observers=observers(),
+                                          prefilters=plugins.prefilters)
+            for router in plugins.routes:
+                router.state = lambda: proxy_state(getattr(app.state, "pipeline", None))
+            for plugin in plugins.all:
+                await plugin.start()
             prober = Prober(backends, lambda b, old: pool.add(b.slots(start=old)))
             prober.start()
             app.state.started = time.time()
             app.state.loop = asyncio.get_running_loop()
-            log.info("app_start version=%s backends=%s slots=%d meta_entries=%d %s", __version__,
+            log.info("app_start version=%s backends=%s slots=%d meta_entries=%d plugins=%s %s", __version__,
                      ",".join(f"{b.url}({b.n_slots})" for b in backends), len(pool.slots), loaded,
-                     describe(settings))
+                     ",".join(p.name for p in plugins.all) or "-", describe(settings))
             yield
             await prober.stop()
             await app.state.pipeline.drain(settings.shutdown_timeout)
         finally:
+            for plugin in plugins.all:
+                try:
+                    await plugin.stop()
+                except Exception:
+                    log.exception("plugin_stop_failed plugin=%s", plugin.name)
             await index.close()
             await session.close()
             log.info("app_stop")
@@ -165,6 +210,8 @@ def create_app(settings: Settings) -> Starlette:
             Route("/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics.endpoint, methods=["GET"]),
+            *(route for router in plugins.routes for route in router.routes()),
             Route("/{path:path}", forward, methods=ALL_METHODS),
         ],
         exception_handlers={Exception: internal_error},

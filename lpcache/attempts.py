@@ -15,11 +15,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
+import orjson
 
 from .backends import Backend
-from .coalesce import Group
+from .coalesce import Group, aggregate_sse
 from .errors import BackendError, BackendUnreachable, ProxyError
 from .llama import error_message
+from .plugins.base import Answer, ChatRequest
 from .prefix import Prompt
 from .record import RequestRecord
 from .relay import Headers
@@ -35,7 +37,9 @@ class Attempts:
     """The tries of one request. `upstream` is the open answer of the current try."""
 
     def __init__(self, pipeline: Pipeline, body: dict[str, Any], prompt: Prompt, big: bool, record: RequestRecord,
-                 client_auth: str | None) -> None:
+                 client_auth: str | None, view: ChatRequest | None = None) -> None:
+        self.view = view                    # when prefilters run: they are told the answer
+        self.collected: bytearray | None = bytearray() if view is not None else None
         self.p = pipeline
         self.body, self.prompt, self.big, self.record, self.client_auth = body, prompt, big, record, client_auth
         self.candidate = pipeline.find_saved(prompt) if big else None
@@ -77,6 +81,8 @@ class Attempts:
         """A piece of the answer, as it goes to the client: the followers get it too."""
         if self.group is not None:
             self.group.feed(chunk)
+        if self.collected is not None:
+            self.collected += chunk
 
     def end_group(self, error: dict[str, Any] | None) -> None:
         """Tell the followers the answer is complete (error None) or failed, and let a new group start."""
@@ -99,6 +105,9 @@ class Attempts:
         self.end_group(None if (delivered if complete is None else complete) else {"error": {
             "message": f"the shared answer did not complete ({self.record.reason or 'failed'})",
             "type": "backend_error", "code": 502}})
+        if delivered and self.view is not None and self.collected is not None:
+            self.p.answered(self.view, _answer(bytes(self.collected), self.view.stream))
+            self.collected = None
         if self.choice is None or self.backend is None:
             self.p.notify(self.record)
             return
@@ -198,3 +207,12 @@ def _reason(e: BaseException) -> str:
     if isinstance(e, ProxyError):
         return {502: "backend_unreachable", 503: "slot_timeout"}.get(e.status, "backend_error")
     return "internal_error"
+
+
+def _answer(raw: bytes, stream: bool) -> Answer:
+    """The answer as prefilters get it: a chat.completion (for a stream, built from its events)."""
+    try:
+        completion = aggregate_sse(raw) if stream else orjson.loads(raw)
+    except (ValueError, TypeError, KeyError):
+        completion = None
+    return Answer(200, completion if isinstance(completion, dict) else None, stream, raw)

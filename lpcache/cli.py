@@ -21,10 +21,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     import uvicorn
 
     from .app import create_app
+    from .plugins.base import PluginError
+    from .plugins.registry import build
+
+    try:
+        plugins = build(settings.plugins)  # at once: a bad spec stops start-up before anything listens
+    except PluginError as e:
+        build_parser().exit(2, f"lpcache: error: PLUGINS: {e}\n")
 
     # uvicorn picks uvloop and httptools by itself when they are installed ("auto").
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                access_log=False, lifespan="on", timeout_graceful_shutdown=max(1, round(settings.shutdown_timeout)))
+    uvicorn.run(create_app(settings, plugins), host=settings.host, port=settings.port,
+                log_level=settings.log_level.lower(), access_log=False, lifespan="on",
+                timeout_graceful_shutdown=max(1, round(settings.shutdown_timeout)))
     return 0
 
 

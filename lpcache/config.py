@@ -58,6 +58,8 @@ class Settings:
     breaker_cooldown_ms: int = 1000
     breaker_max_cooldown_ms: int = 60000
     shutdown_timeout: float = 30.0
+    # Plugin specs ({"name", "params"}), in order: from PLUGINS, else translated from the legacy variables.
+    plugins: tuple[dict[str, Any], ...] = ()
     # Where each value came from ("flag", "env" or "default"), for the start-up log and for N_SLOTS.
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
 
@@ -144,6 +146,31 @@ def _keys(raw: str) -> tuple[str, ...]:
     if raw and not keys:
         raise ValueError("no key in it")
     return tuple(keys)
+
+
+def _plugin_specs(raw: str) -> tuple[dict[str, Any], ...]:
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e})") from None
+    if not isinstance(data, list):
+        raise ValueError('must be a JSON array of {"name": ..., "params": {...}} objects')
+    specs = []
+    for i, item in enumerate(data):
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"]:
+            raise ValueError(f'entry {i} is not an object with a "name" string')
+        params = item.get("params", {})
+        if not isinstance(params, dict):
+            raise ValueError(f'entry {i} ({item["name"]}): "params" must be an object')
+        specs.append({"name": item["name"], "params": params})
+    return tuple(specs)
+
+
+def _fields(raw: str) -> tuple[str, ...]:
+    fields = tuple(f.strip() for f in raw.split(",") if f.strip())
+    if not fields:
+        raise ValueError("no field named")
+    return fields
 
 
 def _backends(raw: str) -> tuple[BackendConfig, ...]:
@@ -245,6 +272,31 @@ OPTIONS: tuple[Option, ...] = (
     Option("SHUTDOWN_TIMEOUT", "--shutdown-timeout", _float(0.0), "30",
            "Seconds requests in flight get to finish on SIGTERM/SIGINT (running saves get as long again).",
            metavar="SECONDS"),
+    Option("PLUGINS", "--plugins", _plugin_specs, None,
+           'JSON array of plugin specs [{"name": "...", "params": {...}}]. Built-ins: keyword, qwen_guard, '
+           "result_cache, chain (prefilters, run in list order; [] = none), request_log, dashboard (at most one); "
+           "others come from installed packages (entry-point group lpcache.plugins). When set, the PREFILTER_* "
+           "variables are ignored, and a request_log spec here wins over REQUEST_LOG*.", metavar="JSON"),
+    Option("REQUEST_LOG", "--request-log", _bool, "false",
+           "Append one W3C Extended Log Format record per finished request to REQUEST_LOG_PATH.", metavar="BOOL"),
+    Option("REQUEST_LOG_PATH", "--request-log-path", _text, "lpcache-request.log",
+           "Request-log file (relative to the working directory; its folder is created).", metavar="PATH"),
+    Option("REQUEST_LOG_MAX_BYTES", "--request-log-max-bytes", _int(0), "10485760",
+           "Rotate the request log past this size (<path>.1, <path>.2, ...); 0 = never.", metavar="BYTES"),
+    Option("REQUEST_LOG_KEEP", "--request-log-keep", _int(0), "5",
+           "Rotated request-log generations kept; 0 = all.", metavar="N"),
+    Option("REQUEST_LOG_FIELDS", "--request-log-fields", _fields, None,
+           "Comma-separated ordered subset of the request-log fields (default: all 28).", metavar="FIELDS"),
+    Option("PREFILTER_BLOCKLIST", "--prefilter-blocklist", _optional_text, None,
+           "Legacy (a keyword plugin when PLUGINS is unset): comma-separated keywords; a request whose messages "
+           "contain one is rejected with 400.", metavar="WORDS"),
+    Option("PREFILTER_CASE_INSENSITIVE", "--prefilter-case-insensitive", _bool, "true",
+           "Legacy: keyword matching ignores case.", metavar="BOOL"),
+    Option("PREFILTER_RESULT_CACHE_DIR", "--prefilter-result-cache-dir", _optional_text, None,
+           "Legacy (a result_cache plugin when PLUGINS is unset): folder of cached results ({key}.json); a "
+           "fresh same-key request is answered from it.", metavar="DIR"),
+    Option("PREFILTER_RESULT_CACHE_TTL", "--prefilter-result-cache-ttl", _int(0), "300",
+           "Legacy: seconds a cached result stays fresh; 0 = forever.", metavar="SECONDS"),
 )
 
 def build_parser() -> argparse.ArgumentParser:
@@ -325,8 +377,30 @@ def load_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] 
         breaker_cooldown_ms=values["BREAKER_COOLDOWN_MS"],
         breaker_max_cooldown_ms=values["BREAKER_MAX_COOLDOWN_MS"],
         shutdown_timeout=values["SHUTDOWN_TIMEOUT"],
+        plugins=plugin_specs(values),
         sources=sources,
     )
+
+
+def plugin_specs(values: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
+    """PLUGINS as given, else the legacy PREFILTER_* variables as specs; then REQUEST_LOG* as a request_log spec
+    unless one is listed already."""
+    specs = list(values["PLUGINS"]) if values["PLUGINS"] is not None else []
+    if values["PLUGINS"] is None:
+        if values["PREFILTER_BLOCKLIST"]:
+            specs.append({"name": "keyword", "params": {
+                "keywords": [k.strip() for k in values["PREFILTER_BLOCKLIST"].split(",") if k.strip()],
+                "case_insensitive": values["PREFILTER_CASE_INSENSITIVE"]}})
+        if values["PREFILTER_RESULT_CACHE_DIR"]:
+            specs.append({"name": "result_cache", "params": {
+                "dir": values["PREFILTER_RESULT_CACHE_DIR"], "ttl_secs": values["PREFILTER_RESULT_CACHE_TTL"]}})
+    if values["REQUEST_LOG"] and not any(spec["name"] == "request_log" for spec in specs):
+        params: dict[str, Any] = {"path": values["REQUEST_LOG_PATH"], "max_bytes": values["REQUEST_LOG_MAX_BYTES"],
+                                  "keep": values["REQUEST_LOG_KEEP"]}
+        if values["REQUEST_LOG_FIELDS"]:
+            params["fields"] = list(values["REQUEST_LOG_FIELDS"])
+        specs.append({"name": "request_log", "params": params})
+    return tuple(specs)
 
 
 def describe(settings: Settings) -> str:
@@ -339,6 +413,10 @@ def describe(settings: Settings) -> str:
             continue
         elif o.env == "LLAMA_API_KEY":
             value = "set" if settings.llama_api_key else "unset"
+        elif o.env == "PLUGINS":
+            value = [spec["name"] for spec in settings.plugins]
+        elif o.env.startswith(("REQUEST_LOG", "PREFILTER_")):
+            continue
         elif o.env == "LPCACHE_API_KEYS":
             value = f"{len(settings.api_keys)} key(s)" if settings.api_keys else "unset"
         else:

@@ -25,9 +25,10 @@ from .config import Settings
 from .errors import BadRequest, ClientGone, ProxyError, SlotsBusy
 from .guard import read_body
 from .index import Candidate, MetaEntry, MetaIndex
-from .prefix import Prompt
+from .plugins.base import Answer, ChatRequest, Prefilter, Reject, Serve
+from .prefix import Prompt, raw_prefix
 from .record import Observer, RequestRecord
-from .relay import ClientWatch, FollowerRelay, JsonRelay, SseRelay
+from .relay import ClientWatch, FollowerRelay, JsonRelay, ServedRelay, SseRelay
 from .slots import Choice, Content, Slot, SlotPool, worth_waiting_for
 
 log = logging.getLogger("lpcache.pipeline")
@@ -64,12 +65,13 @@ def parse_chat_body(raw: bytes) -> dict[str, Any]:
 
 class Pipeline:
     def __init__(self, settings: Settings, backends: Sequence[Backend], pool: SlotPool, index: MetaIndex,
-                 observers: Sequence[Observer] = ()) -> None:
+                 observers: Sequence[Observer] = (), prefilters: Sequence[Prefilter] = ()) -> None:
         self.settings = settings
         self.backends = list(backends)
         self.pool = pool
         self.index = index
         self.observers = list(observers)
+        self.prefilters = list(prefilters)
         self.tasks: set[asyncio.Task[Any]] = set()
         self.coalescer = Coalescer()
 
@@ -86,6 +88,14 @@ class Pipeline:
         big = prompt.n_words > self.settings.big_threshold_words
         record.model, record.stream, record.key, record.n_words, record.big = (
             model, stream, prompt.key, prompt.n_words, big)
+        view = None
+        if self.prefilters:
+            view = ChatRequest(body=dict(body), key=prompt.key, model=model, stream=stream,
+                               text=raw_prefix(body["messages"]), headers=dict(request.headers),
+                               client_key=self.client_key(request))
+            served = await self.prefilter(view, record)
+            if served is not None:
+                return ServedRelay(served, record, self.notify, self.spawn, view)
         if big:
             body["cache_prompt"] = True
 
@@ -100,7 +110,7 @@ class Pipeline:
             record.coalesced = False
         # With client keys, Authorization is lpcache's own; without, it goes on to llama-server as it came.
         client_auth = None if self.settings.api_keys else request.headers.get("authorization")
-        attempts = Attempts(self, body, prompt, big, record, client_auth)
+        attempts = Attempts(self, body, prompt, big, record, client_auth, view)
         attempts.group = group
         try:
             await attempts.start()
@@ -124,6 +134,35 @@ class Pipeline:
         if stream:
             return SseRelay(attempts, record, watch, self.settings.stream_queue_size, started)
         return JsonRelay(attempts, record, watch)
+
+    async def prefilter(self, view: ChatRequest, record: RequestRecord) -> Serve | None:
+        """Run the prefilters in order: the first that rejects or serves decides. A prefilter that fails is
+        logged and skipped (it did not reject on purpose)."""
+        for plugin in self.prefilters:
+            try:
+                verdict = await plugin.check(view)
+            except Exception:
+                log.exception("prefilter_failed plugin=%s: the request goes on", plugin.name)
+                continue
+            if isinstance(verdict, Reject):
+                record.reason = "prefilter_reject"
+                log.info("prefilter_reject plugin=%s key=%s", plugin.name, view.key[:16])
+                raise ProxyError(verdict.message, status=verdict.status, type=verdict.type, code=verdict.code)
+            if isinstance(verdict, Serve):
+                log.info("prefilter_serve plugin=%s key=%s", plugin.name, view.key[:16])
+                return verdict
+        return None
+
+    def answered(self, view: ChatRequest, answer: Answer) -> None:
+        """Tell the prefilters what the backend answered (a result cache stores it), off the request's path."""
+        for plugin in self.prefilters:
+            self.spawn(_quietly(plugin.answered(view, answer), plugin.name))
+
+    def client_key(self, request: Request) -> str | None:
+        if not self.settings.api_keys:
+            return None
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        return token.strip() if scheme.lower() == "bearer" else None
 
     def find_saved(self, prompt: Prompt) -> Candidate | None:
         """The saved cache sharing the longest prefix with the prompt, restorable on some backend."""
@@ -244,3 +283,10 @@ class Pipeline:
         if self.tasks:
             log.info("waiting for %d background save(s)", len(self.tasks))
             await asyncio.wait(set(self.tasks), timeout=timeout)
+
+
+async def _quietly(coro: Coroutine[Any, Any, None], name: str) -> None:
+    try:
+        await coro
+    except Exception:
+        log.exception("plugin_failed plugin=%s hook=answered", name)

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import aiohttp
 import orjson
@@ -22,6 +22,7 @@ from starlette.types import Message, Receive, Scope, Send
 from .coalesce import Group
 from .errors import ProxyError
 from .llama import HOP_HEADERS
+from .plugins.base import ChatRequest, Serve
 from .record import RequestRecord
 
 log = logging.getLogger("lpcache.relay")
@@ -294,6 +295,27 @@ class FollowerRelay:
             self.done(self.record)
 
 
+class ServedRelay:
+    """An answer a prefilter gave without the backend (a result-cache hit); its post-serve cleanup runs after."""
+
+    def __init__(self, served: Serve, record: RequestRecord, done: Callable[[RequestRecord], None],
+                 spawn: Callable[[Any], None], view: ChatRequest) -> None:
+        self.served, self.record, self.done, self.spawn, self.view = served, record, done, spawn, view
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = self.served.body
+        self.record.status, self.record.bytes_out, self.record.cache_hit = self.served.status, len(body), True
+        try:
+            await send({"type": "http.response.start", "status": self.served.status, "headers": [
+                (b"content-type", self.served.content_type.encode()), (b"content-length", str(len(body)).encode()),
+                (b"x-lpcache-served-by", b"prefilter")]})
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+        finally:
+            if self.served.cleanup is not None:
+                self.spawn(self.served.cleanup.run(self.view))
+            self.done(self.record)
+
+
 async def _send_error(send: Send, err: ProxyError, record: RequestRecord) -> None:
     body = error_body(err)
     record.status = err.status
@@ -307,9 +329,11 @@ async def _send_error(send: Send, err: ProxyError, record: RequestRecord) -> Non
 class PassThrough:
     """Any other route: the backend's status, headers and body, streamed as they come, no slot involved."""
 
-    def __init__(self, upstream: aiohttp.ClientResponse, record: RequestRecord) -> None:
+    def __init__(self, upstream: aiohttp.ClientResponse, record: RequestRecord,
+                 done: Callable[[RequestRecord], None] | None = None) -> None:
         self.upstream = upstream
         self.record = record
+        self.done = done
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = [(k.lower().encode(), v.encode()) for k, v in self.upstream.headers.items()
@@ -331,3 +355,5 @@ class PassThrough:
         finally:
             watch.stop()
             self.upstream.close()
+            if self.done is not None:
+                self.done(self.record)

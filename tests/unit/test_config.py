@@ -59,6 +59,16 @@ VALID = {
     "BREAKER_COOLDOWN_MS": "50",
     "BREAKER_MAX_COOLDOWN_MS": "4000",
     "SHUTDOWN_TIMEOUT": "5",
+    "PLUGINS": '[{"name": "keyword", "params": {"keywords": ["x"]}}]',
+    "REQUEST_LOG": "true",
+    "REQUEST_LOG_PATH": "/tmp/r.log",
+    "REQUEST_LOG_MAX_BYTES": "1000",
+    "REQUEST_LOG_KEEP": "2",
+    "REQUEST_LOG_FIELDS": "datetime,sc-status",
+    "PREFILTER_BLOCKLIST": "a,b",
+    "PREFILTER_CASE_INSENSITIVE": "false",
+    "PREFILTER_RESULT_CACHE_DIR": "/tmp/rc",
+    "PREFILTER_RESULT_CACHE_TTL": "60",
 }
 
 

@@ -1,0 +1,103 @@
+"""Prometheus metrics at GET /metrics, read from the one record per request and from the live slot state.
+
+Counters and histograms are fed by `Metrics.observe` (an observer like the others); slot occupancy, breaker state
+and cache entries are read when scraped, so they are never stale. Each app has its own registry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from starlette.requests import Request
+from starlette.responses import Response
+
+from .record import RequestRecord
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+BREAKER_STATES = ("closed", "open", "half_open")
+
+
+class _Live(Collector):
+    """Gauges computed at scrape time from the pipeline."""
+
+    def __init__(self, pipeline: Callable[[], Any]) -> None:
+        self.pipeline = pipeline
+
+    def collect(self) -> Iterable[Metric]:
+        p = self.pipeline()
+        if p is None:
+            return
+        busy = GaugeMetricFamily("lpcache_slots_busy", "Slots serving a request", labels=["backend"])
+        total = GaugeMetricFamily("lpcache_slots", "Slots lpcache knows", labels=["backend"])
+        state = GaugeMetricFamily("lpcache_backend_circuit_state", "1 for the breaker's current state",
+                                  labels=["backend", "state"])
+        for b in p.backends:
+            slots = [s for s in p.pool.slots if s.backend == b.index]
+            busy.add_metric([b.url], sum(1 for s in slots if s.busy))
+            total.add_metric([b.url], len(slots))
+            for name in BREAKER_STATES:
+                state.add_metric([b.url, name], 1.0 if b.breaker.state == name else 0.0)
+        yield busy
+        yield total
+        yield state
+        yield GaugeMetricFamily("lpcache_waiting_requests", "Requests waiting for a slot", value=p.pool.waiting)
+        yield GaugeMetricFamily("lpcache_cache_entries", "Saved KV caches in the meta index", value=len(p.index))
+        yield GaugeMetricFamily("lpcache_coalesced_groups", "Running coalesced groups", value=len(p.coalescer))
+
+
+class Metrics:
+    def __init__(self, pipeline: Callable[[], Any]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("lpcache_requests", "Finished requests", ["route", "status"], registry=r)
+        self.outcomes = Counter("lpcache_request_outcomes", "Finished requests by pipeline outcome (reason)",
+                                ["reason"], registry=r)
+        self.restores = Counter("lpcache_restores", "Slot restores from disk", ["result"], registry=r)
+        self.restore_seconds = Histogram("lpcache_restore_seconds", "Time of a slot restore", registry=r)
+        self.saves = Counter("lpcache_saves", "Slot saves to disk", ["result"], registry=r)
+        self.save_seconds = Histogram("lpcache_save_seconds", "Time of a slot save", registry=r)
+        self.tokens = Counter("lpcache_prompt_tokens", "Prompt tokens, by where they came from",
+                              ["source"], registry=r)
+        self.completion_tokens = Counter("lpcache_completion_tokens", "Generated tokens", registry=r)
+        buckets = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+        self.ttft = Histogram("lpcache_time_to_first_token_seconds", "Streams: time to the first chunk",
+                              buckets=buckets, registry=r)
+        self.duration = Histogram("lpcache_request_duration_seconds", "Time to finish a request", ["route"],
+                                  buckets=buckets, registry=r)
+        r.register(_Live(pipeline))
+
+    def observe(self, record: RequestRecord) -> None:
+        route = _route(record.path)
+        self.requests.labels(route, str(record.status or 0)).inc()
+        self.outcomes.labels(record.reason or "ok").inc()
+        if record.elapsed_ms is not None:
+            self.duration.labels(route).observe(record.elapsed_ms / 1000.0)
+        if record.restored is not None:
+            self.restores.labels("ok" if record.restored else "failed").inc()
+            if record.restore_ms is not None:
+                self.restore_seconds.observe(record.restore_ms / 1000.0)
+        if record.saved is not None:
+            self.saves.labels("ok" if record.saved else "failed").inc()
+            if record.save_ms is not None:
+                self.save_seconds.observe(record.save_ms / 1000.0)
+        if record.cache_n is not None:
+            self.tokens.labels("cached").inc(record.cache_n)
+        if record.prompt_n is not None:
+            self.tokens.labels("computed").inc(record.prompt_n)
+        if record.completion_tokens:
+            self.completion_tokens.inc(record.completion_tokens)
+        if record.stream and record.ttft_ms is not None:
+            self.ttft.observe(record.ttft_ms / 1000.0)
+
+    async def endpoint(self, request: Request) -> Response:
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE)
+
+
+def _route(path: str) -> str:
+    """A bounded label: the chat routes by name, everything else as "other"."""
+    path = path.split("?", 1)[0]
+    return path if path in ("/v1/chat/completions", "/chat/completions", "/v1/models", "/health") else "other"

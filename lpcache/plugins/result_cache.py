@@ -1,0 +1,160 @@
+"""The result cache prefilter (`result_cache`): answers a request from a stored backend result of the same request.
+
+An entry is `{dir}/{entry_key}.json` holding `{"created": unix_time, "completion": <chat.completion>}`. The entry
+key is the SHA-256 of the canonical JSON of what shapes the answer: the body without `stream`/`stream_options`, the
+resolved model and the client's API key (one client never gets another's answer). It is not lpcache's prefix cache
+key. Results are stored by `answered` after a successful backend call; streaming requests are neither served nor
+stored unless `cache_streaming` (then the aggregated completion is stored and hits are served to them as SSE).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+import orjson
+
+from ..coalesce import completion_to_sse
+from ..index import write_atomic
+from .base import Answer, ChatRequest, PluginError, PostCleanup, Prefilter, Serve, Verdict, param
+
+log = logging.getLogger("lpcache.plugins.result_cache")
+
+_NOT_IN_KEY = ("stream", "stream_options")  # how the answer is delivered, not what it says
+
+
+def entry_key(request: ChatRequest) -> str:
+    """SHA-256 of the canonical JSON of everything that changes the answer to `request`."""
+    body = {k: v for k, v in request.body.items() if k not in _NOT_IN_KEY}
+    doc = {"body": body, "model": request.model, "client_key": request.client_key}
+    return hashlib.sha256(orjson.dumps(doc, option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+
+def no_cache(headers: Mapping[str, str]) -> bool:
+    """Whether the Cache-Control header carries the no-cache directive."""
+    value = headers.get("cache-control") or ""
+    return any(part.split("=", 1)[0].strip().lower() == "no-cache" for part in value.split(","))
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        log.warning("result cache: cannot delete %s: %s", path, e)
+
+
+class RemoveAfterServe(PostCleanup):
+    """Deletes a served entry's file, once: the one-shot cleanup of `remove_after_serve`."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._done = False
+
+    async def run(self, request: ChatRequest) -> None:
+        if self._done:
+            return
+        self._done = True
+        await asyncio.to_thread(_unlink, self.path)
+
+
+class ResultCachePrefilter(Prefilter):
+    """Serves fresh stored results; stores successful backend results."""
+
+    name: ClassVar[str] = "result_cache"
+
+    def __init__(self, params: Mapping[str, Any] | None = None) -> None:
+        super().__init__(params)
+        p = self.params
+        self.dir: str = param(p, "dir", str, None, plugin=self.name, check=bool, rule="a non-empty path string")
+        self.ttl_secs: int = param(p, "ttl_secs", int, 300, plugin=self.name, check=lambda v: v >= 0,
+                                   rule="an integer >= 0")
+        self.cache_streaming: bool = param(p, "cache_streaming", bool, False, plugin=self.name)
+        self.cache_control: bool = param(p, "cache_control", bool, False, plugin=self.name)
+        self.remove_after_serve: bool = param(p, "remove_after_serve", bool, False, plugin=self.name)
+        self.clock: Callable[[], float] = time.time  # replaced by tests
+        self._storing: set[str] = set()
+
+    async def start(self) -> None:
+        try:
+            await asyncio.to_thread(os.makedirs, self.dir, exist_ok=True)
+        except OSError as e:
+            raise PluginError(f"plugin {self.name!r}: parameter 'dir': cannot create {self.dir!r}: {e}") from e
+
+    def entry_path(self, request: ChatRequest) -> str:
+        return os.path.join(self.dir, entry_key(request) + ".json")
+
+    async def check(self, request: ChatRequest) -> Verdict:
+        if self.cache_control and no_cache(request.headers):
+            return None
+        if request.stream and not self.cache_streaming:
+            return None
+        try:
+            found = await asyncio.to_thread(self._lookup, request)
+        except Exception as e:  # a cache that cannot be read is a miss, never a failed request
+            log.warning("result cache: lookup failed: %s", e)
+            return None
+        if found is None:
+            return None
+        path, completion = found
+        cleanup = RemoveAfterServe(path) if self.remove_after_serve else None
+        if request.stream:
+            return Serve(body=completion_to_sse(completion), content_type="text/event-stream", cleanup=cleanup)
+        return Serve(body=orjson.dumps(completion), content_type="application/json", cleanup=cleanup)
+
+    def _lookup(self, request: ChatRequest) -> tuple[str, dict[str, Any]] | None:
+        """The entry's path and completion when fresh; a corrupt or expired entry is deleted."""
+        path = self.entry_path(request)
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            log.warning("result cache: cannot read %s: %s", path, e)
+            return None
+        try:
+            doc = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            doc = None
+        created = doc.get("created") if isinstance(doc, dict) else None
+        completion = doc.get("completion") if isinstance(doc, dict) else None
+        if not isinstance(completion, dict) or not isinstance(created, int | float) or isinstance(created, bool):
+            log.warning("result cache: deleting corrupt entry %s", path)
+            _unlink(path)
+            return None
+        if self.ttl_secs > 0 and self.clock() - created >= self.ttl_secs:
+            _unlink(path)
+            return None
+        return path, completion
+
+    async def answered(self, request: ChatRequest, answer: Answer) -> None:
+        completion = answer.completion
+        if answer.status != 200 or not isinstance(completion, dict):
+            return
+        if answer.stream and not self.cache_streaming:
+            return
+        if not isinstance(completion.get("choices"), list) or not completion["choices"]:
+            return
+        try:
+            path = await asyncio.to_thread(self.entry_path, request)
+            if path in self._storing:  # an identical answer is being stored: one writer per entry
+                return
+            self._storing.add(path)
+            try:
+                data = orjson.dumps({"created": self.clock(), "completion": completion})
+                await asyncio.to_thread(self._write, path, data)
+            finally:
+                self._storing.discard(path)
+        except Exception as e:
+            log.warning("result cache: cannot store a result: %s", e)
+
+    def _write(self, path: str, data: bytes) -> None:
+        os.makedirs(self.dir, exist_ok=True)
+        write_atomic(path, data)
