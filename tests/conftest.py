@@ -51,6 +51,12 @@ class Proxy:
     def chat(self, messages: list[dict[str, Any]], **body: Any) -> httpx.Response:
         return self.client.post("/v1/chat/completions", json={"messages": messages, **body})
 
+    def push(self, messages: list[dict[str, Any]], **body: Any) -> httpx.Response:
+        """A request whose save is done before the next one chooses its slot (for tests of slot choice)."""
+        r = self.chat(messages, **body)
+        self.settle()
+        return r
+
     def post(self, body: dict[str, Any]) -> httpx.Response:
         return self.client.post("/v1/chat/completions", json=body)
 

@@ -228,7 +228,7 @@ def test_restores_go_only_to_kv_cache_backends_that_can_read_the_file(start_back
     y = words(2, BIG)
     for text in (words(1, BIG), y, words(3, BIG), words(4, BIG)):   # y saved on kv, then pushed out of its slot
         assert proxy.chat(user(text)).status_code == 200
-    proxy.settle()
+        proxy.settle()   # each save done before the next request chooses its slot
     r = proxy.chat(user(y + " and more"))
     assert r.headers["x-lpcache-slot"] == "1:0" and r.headers["x-lpcache-restored"] == "true"
     proxy.settle()

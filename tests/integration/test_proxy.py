@@ -53,9 +53,9 @@ def test_big_request_saves_its_cache_and_writes_meta(proxy: Proxy, backend: Any,
 
 def test_second_big_request_restores_after_slots_were_taken(proxy: Proxy, backend: Any) -> None:
     first = words(1, BIG)
-    proxy.chat(user(first))
-    proxy.chat(user(words(2, BIG)))
-    proxy.chat(user(words(3, BIG)))    # both slots now hold other conversations
+    proxy.push(user(first))
+    proxy.push(user(words(2, BIG)))
+    proxy.push(user(words(3, BIG)))    # both slots now hold other conversations
     proxy.settle()
     r = proxy.chat(user(first + " and a few more words"))
     proxy.settle()
@@ -81,10 +81,10 @@ def test_resident_prefix_is_reused_without_restore(proxy: Proxy, backend: Any) -
 def test_longest_prefix_wins_over_a_short_shared_system_prompt(proxy: Proxy, backend: Any) -> None:
     system = {"role": "system", "content": words(9, 60)}
     long_conv = [system, {"role": "user", "content": words(1, BIG)}]
-    proxy.chat([system, {"role": "user", "content": words(7, 10)}])     # big: system prompt + a short question
-    proxy.chat(long_conv)
-    proxy.chat(user(words(2, BIG)))
-    proxy.chat(user(words(3, BIG)))
+    proxy.push([system, {"role": "user", "content": words(7, 10)}])     # big: system prompt + a short question
+    proxy.push(long_conv)
+    proxy.push(user(words(2, BIG)))
+    proxy.push(user(words(3, BIG)))
     proxy.settle()
     r = proxy.chat([*long_conv, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "next"}])
     assert r.headers["x-lpcache-restored"] == "true"
@@ -250,9 +250,9 @@ def test_meta_max_prunes_least_recently_used_with_kv_files(start_backend: Any, s
 def test_restore_of_a_pruned_or_missing_file_falls_back_and_drops_stale_meta(proxy: Proxy, backend: Any,
                                                                              slot_dir: str) -> None:
     first = words(1, BIG)
-    proxy.chat(user(first))
-    proxy.chat(user(words(2, BIG)))
-    proxy.chat(user(words(3, BIG)))
+    proxy.push(user(first))
+    proxy.push(user(words(2, BIG)))
+    proxy.push(user(words(3, BIG)))
     proxy.settle()
     first_key = _key_of(proxy, first)
     os.remove(os.path.join(slot_dir, first_key))
@@ -269,9 +269,9 @@ def test_meta_of_an_invisible_folder_is_kept(start_backend: Any, start_proxy: An
     remote = BackendConfig(backend.url, None, str(tmp_path / "not-here"))   # a folder this host cannot see
     proxy = start_proxy(remote)
     first = words(1, BIG)
-    proxy.chat(user(first))
-    proxy.chat(user(words(2, BIG)))
-    proxy.chat(user(words(3, BIG)))
+    proxy.push(user(first))
+    proxy.push(user(words(2, BIG)))
+    proxy.push(user(words(3, BIG)))
     proxy.settle()
     # The stand-in wrote its files elsewhere (its own folder), so the restore by name fails...
     os.remove(os.path.join(backend.app_state.config.slot_save_path, _key_of(proxy, first)))
