@@ -148,6 +148,7 @@ def proxy_state(pipeline: Pipeline | None) -> dict[str, object]:
         "waiting": pipeline.pool.waiting,
         "coalesced_groups": len(pipeline.coalescer),
         "cache_entries": len(pipeline.index),
+        "cache_disk_bytes": pipeline.index.disk_bytes(),
     }
 
 

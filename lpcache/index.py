@@ -276,6 +276,23 @@ class MetaIndex:
 
         await self._run(delete)
 
+    def disk_bytes(self, limit: int = 10000) -> int | None:
+        """The size of the KV files of the entries (in the folders visible here): the disk the caches use.
+        None when no folder is visible; at most `limit` files are looked at."""
+        total, seen = 0, False
+        for n, entry in enumerate(reversed(self._entries.values())):
+            if n >= limit:
+                break
+            for folder in {entry.slot_save_path, *self.slot_save_paths}:
+                if folder:
+                    try:
+                        total += os.stat(os.path.join(folder, entry.key)).st_size
+                        seen = True
+                        break
+                    except OSError:
+                        continue
+        return total if seen or not self._entries else None
+
     async def close(self) -> None:
         """Wait for the file writes already queued, then stop the worker."""
         await self._run(lambda: None)

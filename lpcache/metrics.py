@@ -59,6 +59,8 @@ class Metrics:
         self.restores = Counter("lpcache_restores", "Slot restores from disk", ["result"], registry=r)
         self.restore_seconds = Histogram("lpcache_restore_seconds", "Time of a slot restore", registry=r)
         self.saves = Counter("lpcache_saves", "Slot saves to disk", ["result"], registry=r)
+        self.disk_bytes = Counter("lpcache_slot_file_bytes", "Bytes of slot files written (save) and read "
+                                  "(restore) by the servers", ["action"], registry=r)
         self.save_seconds = Histogram("lpcache_save_seconds", "Time of a slot save", registry=r)
         self.tokens = Counter("lpcache_prompt_tokens", "Prompt tokens, by where they came from",
                               ["source"], registry=r)
@@ -80,6 +82,10 @@ class Metrics:
             self.restores.labels("ok" if record.restored else "failed").inc()
             if record.restore_ms is not None:
                 self.restore_seconds.observe(record.restore_ms / 1000.0)
+        if record.save_bytes:
+            self.disk_bytes.labels("save").inc(record.save_bytes)
+        if record.restore_bytes:
+            self.disk_bytes.labels("restore").inc(record.restore_bytes)
         if record.saved is not None:
             self.saves.labels("ok" if record.saved else "failed").inc()
             if record.save_ms is not None:

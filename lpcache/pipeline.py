@@ -210,6 +210,7 @@ class Pipeline:
         result = await self.backends[slot.backend].client.slot_action(slot.id, "restore", entry.key)
         record.restore_ms = result.ms
         record.restored = result.ok
+        record.restore_bytes = _int_or_none(result.body.get("n_read"))
         log.info("restore_before_chat key=%s slot=%s ok=%s n_restored=%s ms=%.1f%s", entry.key[:16], slot.name,
                  str(result.ok).lower(), result.body.get("n_restored"), result.ms,
                  "" if result.ok else f" reason={result.error!r}")
@@ -242,6 +243,7 @@ class Pipeline:
             result = await backend.client.slot_action(slot.id, "save", prompt.key)
             if result.ok:
                 record.saved, record.save_ms = True, result.ms
+                record.save_bytes = _int_or_none(result.body.get("n_written"))
                 log.info("slot_saved key=%s slot=%s n_saved=%s bytes=%s ms=%.1f", prompt.key[:16], slot.name,
                          result.body.get("n_saved"), result.body.get("n_written"), result.ms)
                 # The meta file is written in the background: the slot is free once the server has saved it.
@@ -290,3 +292,7 @@ async def _quietly(coro: Coroutine[Any, Any, None], name: str) -> None:
         await coro
     except Exception:
         log.exception("plugin_failed plugin=%s hook=answered", name)
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

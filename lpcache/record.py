@@ -47,8 +47,10 @@ class RequestRecord:
     gen_tps: float | None = None
     ttft_ms: float | None = None
     restore_ms: float | None = None
+    restore_bytes: int | None = None   # read by the server from the slot file
     saved: bool | None = None
     save_ms: float | None = None
+    save_bytes: int | None = None      # written by the server to the slot file
     retries: int = 0                   # failovers to another backend or slot
 
     def take_usage(self, doc: dict[str, Any]) -> None:

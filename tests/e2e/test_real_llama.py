@@ -249,3 +249,28 @@ def test_two_servers_serve_each_conversation_where_its_cache_is(tmp_path: Any) -
             assert all(len(slots) == 1 for slots in where.values())   # each conversation stayed where its cache is
         finally:
             proxy.stop()
+
+
+def test_request_log_carries_the_real_servers_figures(llama: LlamaServer, tmp_path: Any) -> None:
+    log_path = tmp_path / "req.log"
+    erase_all(llama.url)
+    proxy = Proxy(Settings(backends=(BackendConfig(llama.url, None, llama.slot_save_path),),
+                           meta_dir=str(tmp_path / "meta"), host="127.0.0.1",
+                           plugins=({"name": "request_log", "params": {"path": str(log_path)}},)))
+    try:
+        first = conversation(30, 600)
+        answer = proxy.post(body(first)).json()["choices"][0]["message"]["content"]
+        stream(proxy.url, body(follow_up(first, answer)))
+        proxy.wait_finished(2)
+    finally:
+        proxy.stop()
+    lines = log_path.read_text().splitlines()
+    fields = lines[3].removeprefix("#Fields: ").split()
+    rows = [dict(zip(fields, line.split(" "), strict=True)) for line in lines[4:]]
+    assert len(rows) == 2
+    first_row, second_row = rows
+    assert int(first_row["lpcache-prompt-tokens"]) > 600 and int(first_row["lpcache-completion-tokens"]) > 0
+    assert float(first_row["lpcache-prefill-ms"]) > 0 and float(first_row["lpcache-prefill-tps"]) > 0
+    assert second_row["lpcache-stream"] == "true" and float(second_row["lpcache-ttft-ms"]) > 0
+    # the second turn found the first in its slot: most of its prompt tokens came from the cache
+    assert int(second_row["lpcache-cached-tokens"]) > 0.9 * int(first_row["lpcache-prompt-tokens"])
