@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-fast lint bench
+.PHONY: setup browser demo test test-fast lint bench
 
 $(BIN)/lpcache: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,9 @@ $(BIN)/lpcache: pyproject.toml
 setup: $(BIN)/lpcache
 	bash scripts/get-llama-server.sh
 
+browser:
+	bash scripts/get-browser.sh
+
 demo: setup
 	$(BIN)/python -m lpcache.demo
 
@@ -24,7 +27,7 @@ lint: $(BIN)/lpcache
 	$(BIN)/ruff check lpcache tests bench
 	$(BIN)/mypy
 
-test: setup lint
+test: setup browser lint
 	$(BIN)/python -m pytest -q
 
 test-fast: $(BIN)/lpcache

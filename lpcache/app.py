@@ -135,19 +135,28 @@ async def internal_error(request: Request, exc: Exception) -> Response:
     return error_response(ProxyError("internal error in lpcache; see its log", code="internal_error"))
 
 
-def proxy_state(pipeline: Pipeline | None) -> dict[str, object]:
+def proxy_state(pipeline: Pipeline | None, started: float) -> dict[str, object]:
     """Live state for the dashboard: backends with breaker and slots, waiting requests, coalesced groups, cache."""
     if pipeline is None:
         return {}
     now = time.monotonic()
+    backends = []
+    for b in pipeline.backends:
+        slots = [s for s in pipeline.pool.slots if s.backend == b.index]
+        backends.append({
+            "url": b.url, "kv_cache": b.kv_cache, **b.breaker.describe(now), "n_slots": len(slots),
+            "busy_slots": sum(1 for s in slots if s.busy),
+            "slots": [{"id": s.id, "busy": s.busy, "used": s.used,
+                       "key": s.content.key[:16] if s.content else None,
+                       "saved": s.content.saved if s.content else None} for s in slots]})
     return {
-        "backends": [{"url": b.url, "kv_cache": b.kv_cache, **b.breaker.describe(now), "slots": [
-            {"id": s.id, "busy": s.busy, "used": s.used, "holds": s.content.key[:16] if s.content else None}
-            for s in pipeline.pool.slots if s.backend == b.index]} for b in pipeline.backends],
+        "version": __version__,
+        "uptime_secs": round(time.time() - started, 1),
+        "backends": backends,
         "in_flight": sum(1 for s in pipeline.pool.slots if s.busy),
         "waiting": pipeline.pool.waiting,
         "coalesced_groups": len(pipeline.coalescer),
-        "cache_entries": len(pipeline.index),
+        "meta_entries": len(pipeline.index),
         "cache_disk_bytes": pipeline.index.disk_bytes(),
     }
 
@@ -179,15 +188,15 @@ def create_app(settings: Settings, plugins: Loaded | None = None) -> Starlette:
             backends = await start_backends(settings, session)
             loaded = await asyncio.to_thread(index.load)
             pool = SlotPool([s for b in backends for s in b.slots()], settings.slot_wait_timeout)
+            app.state.started = time.time()
             app.state.pipeline = Pipeline(settings, backends, pool, index, observers=observers(),
                                           prefilters=plugins.prefilters)
             for router in plugins.routes:
-                router.state = lambda: proxy_state(getattr(app.state, "pipeline", None))
+                router.state = lambda: proxy_state(getattr(app.state, "pipeline", None), app.state.started)
             for plugin in plugins.all:
                 await plugin.start()
             prober = Prober(backends, lambda b, old: pool.add(b.slots(start=old)))
             prober.start()
-            app.state.started = time.time()
             app.state.loop = asyncio.get_running_loop()
             log.info("app_start version=%s backends=%s slots=%d meta_entries=%d plugins=%s %s", __version__,
                      ",".join(f"{b.url}({b.n_slots})" for b in backends), len(pool.slots), loaded,

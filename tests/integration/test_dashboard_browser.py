@@ -124,8 +124,18 @@ def test_dashboard_in_headless_chromium(tmp_path: Path) -> None:
         Select(driver.find_element(By.ID, "range")).select_by_visible_text("30 seconds")
         wait.until(lambda d: text("kpi-requests") == str(last_30s))
         wait.until(lambda d: rows() == last_30s)
+        # A custom time (two minutes ago: after the old requests, before the new ones) in the datetime input.
+        Select(driver.find_element(By.ID, "range")).select_by_visible_text("custom time")
+        wait.until(lambda d: d.find_element(By.ID, "range-custom").is_displayed())
+        wait.until(lambda d: text("kpi-requests") == str(total))   # the input starts an hour ago
+        driver.execute_script("""
+            const input = document.getElementById('range-custom'), d = new Date(Date.now() - 120000);
+            d.setMinutes(d.getMinutes() - d.getTimezoneOffset());
+            input.value = d.toISOString().slice(0, 19);
+            input.dispatchEvent(new Event('change'));""")
+        wait.until(lambda d: text("kpi-requests") == str(last_30s) and rows() == last_30s)
         Select(driver.find_element(By.ID, "range")).select_by_visible_text("all time")
-        wait.until(lambda d: text("kpi-requests") == str(total))
+        wait.until(lambda d: text("kpi-requests") == str(total) and rows() == total)
 
         # No errors in the console, and nothing fetched from anywhere but the test server.
         severe = [entry for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]

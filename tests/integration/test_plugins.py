@@ -263,3 +263,21 @@ def test_a_plugin_package_is_found_through_its_entry_point(start_backend: Any, s
         assert proxy.chat(user("calm words")).status_code == 200
     finally:
         sys.path.remove(str(target))
+
+
+def test_dashboard_through_the_proxy(start_backend: Any, start_proxy: Any, tmp_path: Path) -> None:
+    log_path = tmp_path / "req.log"
+    proxy = start_proxy(start_backend(), plugins=specs({"name": "dashboard", "params": {"path": "/dash"}},
+                                                       {"name": "request_log", "params": {"path": str(log_path)}}))
+    proxy.chat(user(words(1, BIG)))
+    proxy.wait_finished(1)
+    page = proxy.client.get("/dash")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    stats = proxy.client.get("/dash/api/stats").json()
+    assert stats["lifetime"]["requests"] == 1 and stats["lifetime"]["saves_ok"] == 1
+    assert stats["proxy"]["meta_entries"] == 1 and stats["proxy"]["backends"][0]["n_slots"] == 2
+    assert stats["proxy"]["cache_disk_bytes"] > 0
+    proxy.client.get("/dash/api/stats?since=0")
+    assert proxy.client.get("/dash/api/stats").json()["lifetime"]["requests"] == 1   # its own polls not counted
+    rows = [line for line in log_path.read_text().splitlines() if not line.startswith("#")]
+    assert len(rows) == 1 and "/dash" not in rows[0]
