@@ -24,6 +24,7 @@ import aiohttp
 from .config import BackendConfig, Settings
 from .errors import ProxyError
 from .llama import LlamaClient
+from .plugins.registry import backend_client
 from .slots import Slot
 
 log = logging.getLogger("lpcache.backends")
@@ -119,7 +120,8 @@ async def start_backends(settings: Settings, session: aiohttp.ClientSession) -> 
     does not answer is marked down, not fatal."""
 
     async def one(i: int, config: BackendConfig) -> Backend:
-        client = LlamaClient(config.url, session, api_key=settings.llama_api_key, timeout=settings.request_timeout)
+        client = backend_client(config.client)(config.url, session, api_key=settings.llama_api_key,
+                                               timeout=settings.request_timeout)
         backend = Backend(i, config, client, config.n_slots or settings.n_slots,
                           Breaker(settings.breaker_cooldown_ms / 1000.0, settings.breaker_max_cooldown_ms / 1000.0),
                           slots_known=config.n_slots is not None)

@@ -22,12 +22,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from .app import create_app
     from .plugins.base import PluginError
-    from .plugins.registry import build
+    from .plugins.registry import backend_client, build
 
     try:
         plugins = build(settings.plugins)  # at once: a bad spec stops start-up before anything listens
     except PluginError as e:
         build_parser().exit(2, f"lpcache: error: PLUGINS: {e}\n")
+    for backend in settings.backends:
+        try:
+            backend_client(backend.client)
+        except PluginError as e:
+            build_parser().exit(2, f"lpcache: error: BACKENDS: {e}\n")
 
     # uvicorn picks uvloop and httptools by itself when they are installed ("auto").
     uvicorn.run(create_app(settings, plugins), host=settings.host, port=settings.port,

@@ -29,6 +29,7 @@ class BackendConfig:
     n_slots: int | None = None
     slot_save_path: str | None = None
     kv_cache: bool = True
+    client: str = "llama"   # the backend-client plugin that talks to it
 
 
 @dataclass(frozen=True)
@@ -196,7 +197,10 @@ def _backends(raw: str) -> tuple[BackendConfig, ...]:
         kv_cache = item.get("kv_cache", True)
         if not isinstance(kv_cache, bool):
             raise ValueError(f"entry {i}: \"kv_cache\" must be true or false")
-        backends.append(BackendConfig(url, n_slots, path or None, kv_cache))
+        client = item.get("client", "llama")
+        if not isinstance(client, str) or not client:
+            raise ValueError(f"entry {i}: \"client\" must be the name of a backend-client plugin")
+        backends.append(BackendConfig(url, n_slots, path or None, kv_cache, client))
     return tuple(backends)
 
 

@@ -56,6 +56,8 @@ class Metrics:
         self.requests = Counter("lpcache_requests", "Finished requests", ["route", "status"], registry=r)
         self.outcomes = Counter("lpcache_request_outcomes", "Finished requests by pipeline outcome (reason)",
                                 ["reason"], registry=r)
+        self.prefilter = Counter("lpcache_prefilter_outcomes", "Requests a prefilter rejected or served",
+                                 ["plugin", "outcome"], registry=r)
         self.restores = Counter("lpcache_restores", "Slot restores from disk", ["result"], registry=r)
         self.restore_seconds = Histogram("lpcache_restore_seconds", "Time of a slot restore", registry=r)
         self.saves = Counter("lpcache_saves", "Slot saves to disk", ["result"], registry=r)
@@ -76,6 +78,9 @@ class Metrics:
         route = _route(record.path)
         self.requests.labels(route, str(record.status or 0)).inc()
         self.outcomes.labels(record.reason or "ok").inc()
+        if record.prefilter is not None:
+            plugin, _, outcome = record.prefilter.rpartition(":")
+            self.prefilter.labels(plugin, outcome).inc()
         if record.elapsed_ms is not None:
             self.duration.labels(route).observe(record.elapsed_ms / 1000.0)
         if record.restored is not None:

@@ -145,10 +145,11 @@ class Pipeline:
                 log.exception("prefilter_failed plugin=%s: the request goes on", plugin.name)
                 continue
             if isinstance(verdict, Reject):
-                record.reason = "prefilter_reject"
+                record.reason, record.prefilter = "prefilter_reject", f"{plugin.name}:reject"
                 log.info("prefilter_reject plugin=%s key=%s", plugin.name, view.key[:16])
                 raise ProxyError(verdict.message, status=verdict.status, type=verdict.type, code=verdict.code)
             if isinstance(verdict, Serve):
+                record.prefilter = f"{plugin.name}:serve"
                 log.info("prefilter_serve plugin=%s key=%s", plugin.name, view.key[:16])
                 return verdict
         return None

@@ -36,6 +36,7 @@ class RequestRecord:
     cache_hit: bool | None = None      # the slot already held a prefix of the prompt, or a restore brought one
     coalesced: bool | None = None
     reason: str | None = None          # None on success, else a short outcome (backend_error, slot_timeout...)
+    prefilter: str | None = None       # "<plugin>:reject" or "<plugin>:serve" when a prefilter decided
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cached_tokens: int | None = None

@@ -204,6 +204,15 @@ def test_metrics(start_backend: Any, start_proxy: Any) -> None:
     assert 'lpcache_backend_circuit_state{backend="' in text
 
 
+def test_prefilter_outcomes_in_metrics(start_backend: Any, start_proxy: Any) -> None:
+    proxy = start_proxy(start_backend(), plugins=specs(keyword("nope")))
+    proxy.chat(user("nope"))
+    proxy.chat(user("nope"))
+    proxy.wait_finished(2)
+    assert 'lpcache_prefilter_outcomes_total{outcome="reject",plugin="keyword"} 2.0' in \
+        proxy.client.get("/metrics").text
+
+
 # ---- start-up errors, third-party plugins ----
 
 @pytest.mark.parametrize("plugins, fragment", [

@@ -435,3 +435,12 @@ def test_bad_hardening_values(env: dict[str, str]) -> None:
     with pytest.raises(ConfigError) as e:
         load(**env)
     assert e.value.variable in env
+
+
+def test_backend_client_names() -> None:
+    assert load(BACKENDS='[{"url": "http://h:1"}]').backends[0].client == "llama"
+    with pytest.raises(ConfigError):
+        load(BACKENDS='[{"url": "http://h:1", "client": 3}]')
+    done = subprocess.run([sys.executable, "-m", "lpcache"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "BACKENDS": '[{"url": "http://h:1", "client": "nosuch"}]'})
+    assert done.returncode == 2 and "BACKENDS" in done.stderr and "nosuch" in done.stderr
