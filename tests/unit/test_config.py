@@ -444,3 +444,9 @@ def test_backend_client_names() -> None:
     done = subprocess.run([sys.executable, "-m", "lpcache"], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "BACKENDS": '[{"url": "http://h:1", "client": "nosuch"}]'})
     assert done.returncode == 2 and "BACKENDS" in done.stderr and "nosuch" in done.stderr
+
+
+def test_boolean_options_work_as_bare_flags() -> None:
+    s = load(["--coalesce-requests", "--request-log"])
+    assert s.coalesce_requests is True and [p["name"] for p in s.plugins] == ["request_log"]
+    assert load(["--coalesce-requests", "false"]).coalesce_requests is False
