@@ -317,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     for o in OPTIONS:
         default = "unset" if o.default is None else o.default
         # A true/false option also works as a bare flag (--request-log), as in the Rust lpcache.
-        bare = {"nargs": "?", "const": "true"} if o.parse is _bool else {}
+        bare: dict[str, Any] = {"nargs": "?", "const": "true"} if o.parse is _bool else {}
         parser.add_argument(o.flag, dest=o.env, metavar=o.metavar, default=argparse.SUPPRESS,
                             help=f"{o.help} [env {o.env}, default {default}]", **bare)
     return parser
