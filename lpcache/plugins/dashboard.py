@@ -49,7 +49,8 @@ _PARAMS = ("path", "refresh_ms", "window_secs", "bucket_secs", "max_recent")
 # Per-request counters, summed over the lifetime, each bucket and a range.
 _FIELDS = ("requests", "successes", "errors", "s2xx", "s3xx", "s4xx", "s5xx", "sother", "restored",
            "restore_failed", "cache_hits", "coalesced", "saves_ok", "saves_failed", "prompt_tokens", "cached_tokens",
-           "computed_tokens", "completion_tokens", "restore_ms_sum", "restore_ms_n", "save_ms_sum", "save_ms_n")
+           "computed_tokens", "completion_tokens", "restore_ms_sum", "restore_ms_n", "save_ms_sum", "save_ms_n",
+           "restore_bytes", "save_bytes")
 _INDEX = {name: i for i, name in enumerate(_FIELDS)}
 # The ones a series point carries.
 _SERIES = ("requests", "errors", "completion_tokens", "prompt_tokens", "cached_tokens", "computed_tokens")
@@ -106,6 +107,8 @@ class Counts:
             c["restore_ms_sum"], c["restore_ms_n"] = restore_ms, 1
         if save_ms is not None:
             c["save_ms_sum"], c["save_ms_n"] = save_ms, 1
+        c["restore_bytes"] = _int(getattr(record, "restore_bytes", None)) or 0
+        c["save_bytes"] = _int(getattr(record, "save_bytes", None)) or 0
         return cls([c.get(name, 0) for name in _FIELDS])
 
     def to_json(self) -> dict[str, Any]:
@@ -132,6 +135,8 @@ class Counts:
             "restore_ms_avg": _avg(self.restore_ms_sum, self.restore_ms_n),
             "save_ms_sum": round(self.save_ms_sum, 3),
             "save_ms_avg": _avg(self.save_ms_sum, self.save_ms_n),
+            "restore_bytes": self.restore_bytes,
+            "save_bytes": self.save_bytes,
         }
 
 

@@ -286,6 +286,7 @@ def test_dashboard_through_the_proxy(start_backend: Any, start_proxy: Any, tmp_p
     assert stats["lifetime"]["requests"] == 1 and stats["lifetime"]["saves_ok"] == 1
     assert stats["proxy"]["meta_entries"] == 1 and stats["proxy"]["backends"][0]["n_slots"] == 2
     assert stats["proxy"]["cache_disk_bytes"] > 0
+    assert stats["lifetime"]["save_bytes"] == stats["proxy"]["cache_disk_bytes"]   # the one file it wrote
     proxy.client.get("/dash/api/stats?since=0")
     assert proxy.client.get("/dash/api/stats").json()["lifetime"]["requests"] == 1   # its own polls not counted
     rows = [line for line in log_path.read_text().splitlines() if not line.startswith("#")]
