@@ -52,6 +52,7 @@ class _Live(Collector):
 class Metrics:
     def __init__(self, pipeline: Callable[[], Any]) -> None:
         self.registry = CollectorRegistry()
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = self.registry
         self.requests = Counter("lpcache_requests", "Finished requests", ["route", "status"], registry=r)
         self.outcomes = Counter("lpcache_request_outcomes", "Finished requests by pipeline outcome (reason)",
@@ -74,17 +75,25 @@ class Metrics:
                                   buckets=buckets, registry=r)
         r.register(_Live(pipeline))
 
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """A labelled child, kept: prometheus_client's `labels()` takes a lock and builds a tuple each time."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     def observe(self, record: RequestRecord) -> None:
         route = _route(record.path)
-        self.requests.labels(route, str(record.status or 0)).inc()
-        self.outcomes.labels(record.reason or "ok").inc()
+        self._child(self.requests, route, str(record.status or 0)).inc()
+        self._child(self.outcomes, record.reason or "ok").inc()
         if record.prefilter is not None:
             plugin, _, outcome = record.prefilter.rpartition(":")
             self.prefilter.labels(plugin, outcome).inc()
         if record.elapsed_ms is not None:
-            self.duration.labels(route).observe(record.elapsed_ms / 1000.0)
+            self._child(self.duration, route).observe(record.elapsed_ms / 1000.0)
         if record.restored is not None:
-            self.restores.labels("ok" if record.restored else "failed").inc()
+            self._child(self.restores, "ok" if record.restored else "failed").inc()
             if record.restore_ms is not None:
                 self.restore_seconds.observe(record.restore_ms / 1000.0)
         if record.save_bytes:
@@ -92,13 +101,13 @@ class Metrics:
         if record.restore_bytes:
             self.disk_bytes.labels("restore").inc(record.restore_bytes)
         if record.saved is not None:
-            self.saves.labels("ok" if record.saved else "failed").inc()
+            self._child(self.saves, "ok" if record.saved else "failed").inc()
             if record.save_ms is not None:
                 self.save_seconds.observe(record.save_ms / 1000.0)
         if record.cache_n is not None:
-            self.tokens.labels("cached").inc(record.cache_n)
+            self._child(self.tokens, "cached").inc(record.cache_n)
         if record.prompt_n is not None:
-            self.tokens.labels("computed").inc(record.prompt_n)
+            self._child(self.tokens, "computed").inc(record.prompt_n)
         if record.completion_tokens:
             self.completion_tokens.inc(record.completion_tokens)
         if record.stream and record.ttft_ms is not None:
