@@ -148,7 +148,7 @@ class Attempts:
         backend = self.p.backends[choice.slot.backend]
         self.choice, self.backend = choice, backend
         try:
-            if choice.restore is not None:
+            if choice.restore is not None and self.p.kv_enabled(backend, self.prompt.model):
                 await self.p.restore(choice, self.record)
             self.record.cache_hit = bool(self.record.restored) or choice.resident > 0
             self.sent = True

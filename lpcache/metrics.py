@@ -60,6 +60,9 @@ class Metrics:
         self.prefilter = Counter("lpcache_prefilter_outcomes", "Requests a prefilter rejected or served",
                                  ["plugin", "outcome"], registry=r)
         self.restores = Counter("lpcache_restores", "Slot restores from disk", ["result"], registry=r)
+        self.not_reused = Counter("lpcache_restores_not_reused", "Restores the server did not reuse (it computed "
+                                  "the prompt again: sliding-window model without --swa-full, hybrid model)",
+                                  registry=r)
         self.restore_seconds = Histogram("lpcache_restore_seconds", "Time of a slot restore", registry=r)
         self.saves = Counter("lpcache_saves", "Slot saves to disk", ["result"], registry=r)
         self.disk_bytes = Counter("lpcache_slot_file_bytes", "Bytes of slot files written (save) and read "
@@ -96,6 +99,8 @@ class Metrics:
             self._child(self.restores, "ok" if record.restored else "failed").inc()
             if record.restore_ms is not None:
                 self.restore_seconds.observe(record.restore_ms / 1000.0)
+        if record.restore_reused is False:
+            self.not_reused.inc()
         if record.save_bytes:
             self.disk_bytes.labels("save").inc(record.save_bytes)
         if record.restore_bytes:

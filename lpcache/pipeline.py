@@ -33,6 +33,8 @@ from .slots import Choice, Content, Slot, SlotPool, worth_waiting_for
 
 log = logging.getLogger("lpcache.pipeline")
 
+REUSE_MIN_TOKENS = 64    # a restore expected to bring fewer tokens than this says nothing about reuse
+REUSE_MIN_SHARE = 0.1    # a restore is "not reused" when cache_n is below this share of what it should bring
 OWN_SLOT_WAIT = 10.0  # seconds a request waits for the busy slot that holds its conversation before going elsewhere
 
 
@@ -74,6 +76,7 @@ class Pipeline:
         self.prefilters = list(prefilters)
         self.tasks: set[asyncio.Task[Any]] = set()
         self.coalescer = Coalescer()
+        self.kv_off: set[tuple[int, str]] = set()   # (backend, model) whose restores the server does not reuse
 
     # ---- the steps ----
 
@@ -165,9 +168,33 @@ class Pipeline:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         return token.strip() if scheme.lower() == "bearer" else None
 
+    def kv_enabled(self, backend: Backend, model: str) -> bool:
+        """Save and restore for this backend and model: on, unless off in BACKENDS or found useless."""
+        return backend.kv_cache and (backend.index, model) not in self.kv_off
+
+    def check_reuse(self, backend: Backend, model: str, record: RequestRecord) -> None:
+        """After a restore: did the server use it? A sliding-window model without --swa-full (or a hybrid one)
+        re-computes the whole prompt after a restore, so restoring only costs time: say so once, and stop
+        saving and restoring for this backend and model until lpcache restarts."""
+        if not record.restored or record.cache_n is None or not record.restored_tokens:
+            return
+        expected = min(record.restored_tokens, (record.prompt_tokens or 0) * (record.restore_share or 0.0))
+        if expected < REUSE_MIN_TOKENS:
+            return
+        record.restore_reused = record.cache_n >= REUSE_MIN_SHARE * expected
+        if record.restore_reused or (backend.index, model) in self.kv_off:
+            return
+        self.kv_off.add((backend.index, model))
+        log.warning(
+            "restore_not_reused backend=%s model=%s restored_tokens=%d cache_n=%d: the server computed the prompt "
+            "again after the restore. A sliding-window model (Gemma 3, for one) reuses a restored cache only when "
+            "llama-server runs with --swa-full; a hybrid or recurrent model only when the prompt extends the saved "
+            "one exactly. lpcache stops saving and restoring for this backend and model until it restarts.",
+            backend.url, model, record.restored_tokens, record.cache_n)
+
     def find_saved(self, prompt: Prompt) -> Candidate | None:
         """The saved cache sharing the longest prefix with the prompt, restorable on some backend."""
-        readers = [b for b in self.backends if b.kv_cache]
+        readers = [b for b in self.backends if self.kv_enabled(b, prompt.model)]
         if not readers:
             return None
 
@@ -212,6 +239,8 @@ class Pipeline:
         record.restore_ms = result.ms
         record.restored = result.ok
         record.restore_bytes = _int_or_none(result.body.get("n_read"))
+        record.restored_tokens = _int_or_none(result.body.get("n_restored"))
+        record.restore_share = choice.restore.ratio
         log.info("restore_before_chat key=%s slot=%s ok=%s n_restored=%s ms=%.1f%s", entry.key[:16], slot.name,
                  str(result.ok).lower(), result.body.get("n_restored"), result.ms,
                  "" if result.ok else f" reason={result.error!r}")
@@ -228,7 +257,8 @@ class Pipeline:
         observers. Runs even when the client left mid-stream: the prompt's cache is still worth keeping."""
         content: Content | None = Content(prompt.key, prompt.chain)
         try:
-            if big and backend.kv_cache:
+            self.check_reuse(backend, prompt.model, record)
+            if big and self.kv_enabled(backend, prompt.model):
                 content = await self.save(choice, backend, prompt, record)
         except Exception:  # never leave the slot locked
             log.exception("save_crashed key=%s", prompt.key[:16])

@@ -49,6 +49,9 @@ class RequestRecord:
     ttft_ms: float | None = None
     restore_ms: float | None = None
     restore_bytes: int | None = None   # read by the server from the slot file
+    restored_tokens: int | None = None # tokens the restore put in the slot
+    restore_share: float | None = None # share of the prompt's blocks the restored cache held
+    restore_reused: bool | None = None # False: the server re-computed the prompt anyway (see Pipeline.check_reuse)
     saved: bool | None = None
     save_ms: float | None = None
     save_bytes: int | None = None      # written by the server to the slot file

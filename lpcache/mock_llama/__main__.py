@@ -26,6 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gen-ms-per-token", type=float, default=0.0, help="simulated time per generated token")
     parser.add_argument("--max-tokens-default", type=int, default=16, help="answer length without max_tokens")
     parser.add_argument("--api-key", default=None, help="require this key (comma-separated list allowed)")
+    parser.add_argument("--swa", action="store_true",
+                        help="act as a sliding-window model without --swa-full: restored slots are not reused")
     parser.add_argument("--faults", default=None, help='faults armed at start, as JSON: {"drop": 1, ...}')
     parser.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
     return parser
@@ -50,6 +52,7 @@ def config_from(args: argparse.Namespace) -> MockConfig:
         gen_ms_per_token=args.gen_ms_per_token,
         max_tokens_default=args.max_tokens_default,
         api_key=args.api_key,
+        swa=args.swa,
         faults=faults,
     )
 

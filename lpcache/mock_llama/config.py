@@ -26,6 +26,9 @@ class MockConfig:
     gen_ms_per_token: float = 0.0
     max_tokens_default: int = 16
     api_key: str | None = None  # comma-separated list accepted, like --api-key
+    # Imitate a sliding-window model without --swa-full: a restored slot is never reused (the server re-computes
+    # the whole prompt), as llama-server b11434 does when no context checkpoint survives the restore.
+    swa: bool = False
     faults: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -82,8 +82,9 @@ class Generation:
 
     async def prefill(self) -> None:
         prompt, slot = self.params.prompt, self.slot
-        if self.params.cache_prompt:
+        if self.params.cache_prompt and not (slot.restored and self.state.config.swa):
             self.n_past = max(0, min(lcp(slot.tokens, prompt), len(prompt) - 1))
+        slot.restored = False
         slot.tokens = prompt[: self.n_past]  # the KV past the common prefix is discarded
         assert slot.task is not None
         slot.task.n_prompt_tokens_cache = self.n_past

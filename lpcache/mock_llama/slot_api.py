@@ -154,6 +154,7 @@ def restore(state: MockState, slot: Slot, filename: str) -> Response:
         state.stats.restore_failures += 1
         return error_response(400, f"Unable to restore slot: {reason}")
     slot.tokens = tokens
+    slot.restored = True
     state.stats.restores += 1
     return json_response(
         {

@@ -43,6 +43,7 @@ class Slot:
     claims: int = 0  # holders plus waiters; 0 means idle
     active: int = 0  # tasks currently running on the slot; must never exceed 1
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+    restored: bool = False  # holds a restored file, not yet used (matters with MockConfig.swa)
 
     @property
     def idle(self) -> bool:

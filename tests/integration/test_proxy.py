@@ -418,3 +418,34 @@ def test_next_turn_waits_for_its_own_slot_while_the_last_one_is_saved(proxy: Pro
     assert r2.json()["timings"]["cache_n"] > BIG
     proxy.wait_finished(2)
     assert mock_stats(backend)["restores"] == 0
+
+
+def test_a_restore_the_server_does_not_reuse_stops_restores_for_that_model(
+        start_backend: Any, start_proxy: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """A sliding-window model without --swa-full (the stand-in's swa mode): the first useless restore is
+    detected, the warning names --swa-full, and lpcache neither restores nor saves for that model again."""
+    backend = start_backend(swa=True)
+    proxy = start_proxy(backend)
+    first = words(1, BIG)
+    for text in (first, words(2, BIG), words(3, BIG)):
+        proxy.push(user(text))
+    r = proxy.push(user(first + " again"))
+    assert r.headers["x-lpcache-restored"] == "true" and r.json()["timings"]["cache_n"] == 0
+    proxy.wait_finished(4)
+    assert proxy.records[3].restore_reused is False
+    assert "--swa-full" in caplog.text and "restore_not_reused" in caplog.text
+    saves = mock_stats(backend)["saves"]
+    for text in (words(4, BIG), words(5, BIG), first + " and again"):
+        assert proxy.push(user(text)).headers["x-lpcache-restored"] == "false"
+    stats = mock_stats(backend)
+    assert stats["restores"] == 1 and stats["saves"] == saves
+    assert "lpcache_restores_not_reused_total 1.0" in proxy.client.get("/metrics").text
+
+
+def test_a_reused_restore_is_not_flagged(proxy: Proxy, backend: Any) -> None:
+    first = words(1, BIG)
+    for text in (first, words(2, BIG), words(3, BIG), first + " again"):
+        proxy.push(user(text))
+    proxy.wait_finished(4)
+    assert proxy.records[3].restored is True and proxy.records[3].restore_reused is True
+    assert proxy.pipeline.kv_off == set()
