@@ -1,0 +1,54 @@
+"""Session ids, file names and prompt comparison (the pure parts of session mode)."""
+
+import pytest
+
+from lpcache.sessions import compare, route_name, route_tag, session_filename, session_id
+
+GOOD = "3f9a0c1d5b7e4a2c8d6f1e0b9a7c5d3e"
+
+
+@pytest.mark.parametrize("value", [
+    None, "", "../../etc/passwd", GOOD.upper(), GOOD + "0", GOOD[:-1], GOOD[:-2] + "..", GOOD[:-1] + "g",
+    GOOD + "\n", " " + GOOD, "a" * 4096, GOOD[:16] + "/" + GOOD[17:],
+])
+def test_only_32_lower_case_hex_digits_are_a_session_id(value: str | None) -> None:
+    assert session_id(value) is None
+    if value is not None:
+        with pytest.raises(ValueError):
+            session_filename("m", value)
+
+
+def test_a_good_session_id_and_its_file_name() -> None:
+    assert session_id(GOOD) == GOOD
+    name = session_filename("openai/Qwen3-8B:Q4", GOOD)
+    assert name.endswith(f"_{GOOD}.bin") and "/" not in name and ":" not in name and ".." not in name
+    assert len(name) <= 255
+
+
+def test_route_tags_are_safe_readable_and_distinct() -> None:
+    assert route_name("openai/qwen") == "qwen" and route_name("qwen") == "qwen"
+    a, b = route_tag("qwen/7b"), route_tag("qwen_7b")
+    assert a != b and a.startswith("qwen_7b-") and b.startswith("qwen_7b-")
+    assert all(c.isalnum() or c in "_-" for c in route_tag("a b/c:d*e" + "x" * 100))
+    assert len(route_tag("x" * 1000)) == 40 + 1 + 8
+
+
+def msgs(*texts: str) -> list[dict[str, str]]:
+    roles = ["system", "user", "assistant", "user", "assistant", "user"]
+    return [{"role": roles[i], "content": t} for i, t in enumerate(texts)]
+
+
+def test_compare_identical_added_and_changed() -> None:
+    same = compare(msgs("sys", "hello"), msgs("sys", "hello"))
+    assert same.same and same.message is None and same.shared_chars == same.total_chars == 8
+    added = compare(msgs("sys", "hello"), msgs("sys", "hello", "answer", "next"))
+    assert not added.same and added.message == 2 and added.role == "assistant" and added.shared_chars == 8
+    assert "added" in added.reading
+    system = compare(msgs("sys A", "hello"), msgs("sys B", "hello"))
+    assert system.message == 0 and system.shared_chars == 4 and "system" in system.reading
+    last = compare(msgs("sys", "q1", "a1", "question two"), msgs("sys", "q1", "a1", "question 2", "a2"))
+    assert last.message == 3 and last.shared_chars == 3 + 2 + 2 + 9 and "last message" in last.reading
+    assert last.last_shared_chars == 0          # "question two" vs "a2"
+    middle = compare(msgs("sys", "q1", "a1", "q2"), msgs("sys", "q1", "edited", "q2"))
+    assert middle.message == 2 and "middle" in middle.reading
+    assert "message 2" in middle.log_line()
