@@ -147,6 +147,8 @@ class Attempts:
         choice = await self.p.take_slot(self.prompt, self.candidate, self.record, self.allowed())
         backend = self.p.backends[choice.slot.backend]
         self.choice, self.backend = choice, backend
+        # what the slot holds if this try fails: unchanged, unless a restore (or its failure) replaced it
+        held = None if choice.restore is not None else True
         try:
             if choice.restore is not None and self.p.kv_enabled(backend, self.prompt.model):
                 await self.p.restore(choice, self.record)
@@ -162,7 +164,7 @@ class Attempts:
         except BaseException as e:
             backend.breaker.unclaim()
             self.record.reason = _reason(e)
-            self._release(None if choice.restore is not None else True)
+            self._release(held)
             raise
         if upstream.status != 200:
             async with upstream:
@@ -173,7 +175,7 @@ class Attempts:
             else:
                 backend.succeeded()
             self.record.reason = f"provider_http_{upstream.status}"
-            self._release(None if choice.restore is not None else True)
+            self._release(held)
             raise BackendError(message, status=upstream.status, type=kind or "backend_error", code=upstream.status)
         backend.succeeded()
         return upstream

@@ -17,11 +17,19 @@ from .errors import ProxyError
 OPEN_PATHS = frozenset({"/health"})  # a load balancer's health check needs no key
 
 
-async def send_error(send: Send, err: ProxyError, extra: Sequence[tuple[bytes, bytes]] = ()) -> None:
+def bearer_token(authorization: str) -> str | None:
+    """The token of an `Authorization: Bearer <token>` header value, else None."""
+    scheme, _, token = authorization.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
+async def send_error(send: Send, err: ProxyError, extra: Sequence[tuple[bytes, bytes]] = ()) -> int:
+    """Send `err` in OpenAI's shape on a raw ASGI channel; returns the body's size."""
     body = orjson.dumps(err.body())
     await send({"type": "http.response.start", "status": err.status, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *extra]})
     await send({"type": "http.response.body", "body": body, "more_body": False})
+    return len(body)
 
 
 class ApiKeys:
@@ -36,11 +44,10 @@ class ApiKeys:
     def allowed(self, scope: Scope) -> bool:
         for name, value in scope["headers"]:
             if name == b"authorization":
-                scheme, _, token = value.partition(b" ")
-                if scheme.lower() == b"bearer":
-                    token = token.strip()
+                token = bearer_token(value.decode("latin-1"))
+                if token is not None:
                     # compare with every key, so the time taken does not tell which one nearly matched
-                    return any([hmac.compare_digest(token, k) for k in self.keys])
+                    return any([hmac.compare_digest(token.encode("latin-1"), k) for k in self.keys])
         return False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

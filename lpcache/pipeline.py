@@ -23,7 +23,7 @@ from .backends import Backend
 from .coalesce import Coalescer, coalesce_key
 from .config import Settings
 from .errors import BadRequest, ClientGone, ProxyError, SlotsBusy
-from .guard import read_body
+from .guard import bearer_token, read_body
 from .index import Candidate, MetaEntry, MetaIndex
 from .plugins.base import Answer, ChatRequest, Prefilter, Reject, Serve
 from .prefix import Prompt, raw_prefix
@@ -165,8 +165,7 @@ class Pipeline:
     def client_key(self, request: Request) -> str | None:
         if not self.settings.api_keys:
             return None
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        return token.strip() if scheme.lower() == "bearer" else None
+        return bearer_token(request.headers.get("authorization", ""))
 
     def kv_enabled(self, backend: Backend, model: str) -> bool:
         """Save and restore for this backend and model: on, unless off in BACKENDS or found useless."""

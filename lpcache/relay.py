@@ -21,6 +21,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from .coalesce import Group
 from .errors import ProxyError
+from .guard import send_error
 from .llama import HOP_HEADERS
 from .plugins.base import ChatRequest, Serve
 from .record import RequestRecord
@@ -317,13 +318,9 @@ class ServedRelay:
 
 
 async def _send_error(send: Send, err: ProxyError, record: RequestRecord) -> None:
-    body = error_body(err)
     record.status = err.status
-    record.bytes_out = len(body)
-    with contextlib.suppress(Exception):
-        await send({"type": "http.response.start", "status": err.status,
-                    "headers": [*_headers(b"application/json"), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body, "more_body": False})
+    with contextlib.suppress(Exception):   # the client may be gone: the record still says what it was sent
+        record.bytes_out = await send_error(send, err)
 
 
 class PassThrough:
