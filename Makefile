@@ -1,12 +1,13 @@
 # The two commands a new machine needs: `make demo` and `make test`. Both do all the set-up first:
-# a virtualenv in .venv with lpcache and its test tools, then llama-server (build 11434) and SmolLM2-135M,
-# built and cached once under ~/.cache/lpcache (outside the checkout) by scripts/get-llama-server.sh.
+# a virtualenv in .venv with lpcache and its test tools, then llama-server (build 11434), SmolLM2-135M and
+# Gemma 3 270M, built and cached once under ~/.cache/lpcache (outside the checkout) by scripts/get-llama-server.sh;
+# `make test` also makes LiteLLM's proxy virtualenv there (scripts/get-litellm.sh) for the hook's end-to-end test.
 
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup browser demo test test-fast lint bench
+.PHONY: setup browser litellm demo test test-fast lint bench
 
 $(BIN)/lpcache: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +17,9 @@ $(BIN)/lpcache: pyproject.toml
 
 setup: $(BIN)/lpcache
 	bash scripts/get-llama-server.sh
+
+litellm:
+	bash scripts/get-litellm.sh
 
 browser:
 	bash scripts/get-browser.sh
@@ -27,7 +31,7 @@ lint: $(BIN)/lpcache
 	$(BIN)/ruff check lpcache tests bench
 	$(BIN)/mypy
 
-test: setup browser lint
+test: setup browser litellm lint
 	$(BIN)/python -m pytest -q
 
 test-fast: $(BIN)/lpcache

@@ -23,7 +23,7 @@ from starlette.types import ASGIApp
 from . import __version__
 from .backends import Prober, start_backends
 from .config import Settings, describe
-from .errors import BackendUnreachable, ClientGone, ProxyError
+from .errors import BackendUnreachable, BadRequest, ClientGone, ProxyError
 from .guard import ApiKeys, read_body
 from .index import MetaIndex
 from .metrics import Metrics
@@ -32,6 +32,7 @@ from .plugins.registry import Loaded
 from .plugins.registry import build as build_plugins
 from .record import Observer, RequestRecord, log_record
 from .relay import PassThrough
+from .sessions import session_id
 from .slots import SlotPool
 
 log = logging.getLogger("lpcache")
@@ -98,6 +99,36 @@ async def health(request: Request) -> Response:
     return OrjsonResponse({"status": "ok" if serving else "unavailable", "version": __version__,
                            "backends": backends, "waiting": pipeline.pool.waiting,
                            "cached_entries": len(pipeline.index)}, status_code=200 if serving else 503)
+
+
+async def sessions(request: Request) -> Response:
+    """The sessions seen since start: route, file, the slot holding it, its file's size, last use, cache hits."""
+    pipeline = _pipeline(request)
+    holders = {s.content.key: s for s in pipeline.pool.slots if s.content is not None and s.content.session}
+    data = []
+    for info in pipeline.sessions.all():
+        slot = holders.get(info.file)
+        data.append({**info.as_dict(), "slot": None if slot is None else {
+            "backend": pipeline.backends[slot.backend].url, "id": slot.id, "busy": slot.busy,
+            "saved": slot.content.saved if slot.content else None}})
+    return OrjsonResponse({"object": "list", "data": data})
+
+
+async def session_compare(request: Request) -> Response:
+    """Where the session's last prompt first differs from its previous one (`?route=` picks the route)."""
+    pipeline = _pipeline(request)
+    sid = request.path_params["session"]
+    if session_id(sid) is None:
+        return error_response(BadRequest("a session id is 32 lower-case hex digits", code="invalid_session_id"))
+    info = pipeline.sessions.of_session(sid, request.query_params.get("route"))
+    if info is None:
+        return error_response(ProxyError("no such session since lpcache started", status=404, type="not_found_error",
+                                         code="session_not_found"))
+    if info.comparison is None:
+        return error_response(ProxyError("the session has had one request: nothing to compare yet", status=404,
+                                         type="not_found_error", code="no_comparison"))
+    return OrjsonResponse({"session": info.session, "route": info.route, "file": info.file,
+                           "requests": info.requests, "comparison": info.comparison.as_dict()})
 
 
 async def forward(request: Request) -> ASGIApp:
@@ -204,6 +235,7 @@ def create_app(settings: Settings, plugins: Loaded | None = None) -> Starlette:
             yield
             await prober.stop()
             await app.state.pipeline.drain(settings.shutdown_timeout)
+            await app.state.pipeline.save_all(settings.shutdown_timeout)
         finally:
             for plugin in plugins.all:
                 try:
@@ -221,6 +253,8 @@ def create_app(settings: Settings, plugins: Loaded | None = None) -> Starlette:
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics.endpoint, methods=["GET"]),
+            Route("/lpcache/sessions", sessions, methods=["GET"]),
+            Route("/lpcache/sessions/{session}/compare", session_compare, methods=["GET"]),
             *(route for router in plugins.routes for route in router.routes()),
             Route("/{path:path}", forward, methods=ALL_METHODS),
         ],

@@ -25,7 +25,7 @@ from .plugins.base import Answer, ChatRequest
 from .prefix import Prompt
 from .record import RequestRecord
 from .relay import Headers
-from .slots import Choice, Slot
+from .slots import Choice, Content, Slot
 
 if TYPE_CHECKING:
     from .pipeline import Pipeline
@@ -37,12 +37,13 @@ class Attempts:
     """The tries of one request. `upstream` is the open answer of the current try."""
 
     def __init__(self, pipeline: Pipeline, body: dict[str, Any], prompt: Prompt, big: bool, record: RequestRecord,
-                 client_auth: str | None, view: ChatRequest | None = None) -> None:
+                 client_auth: str | None, view: ChatRequest | None = None, want: Content | None = None) -> None:
         self.view = view                    # when prefilters run: they are told the answer
         self.collected: bytearray | None = bytearray() if view is not None else None
         self.p = pipeline
         self.body, self.prompt, self.big, self.record, self.client_auth = body, prompt, big, record, client_auth
-        self.candidate = pipeline.find_saved(prompt) if big else None
+        self.want = want                    # session mode: the session's cache the slot must hold
+        self.candidate = pipeline.find_saved(prompt) if big and want is None else None
         self.excluded: set[int] = set()    # backends that failed this request
         self.failed: set[Slot] = set()      # slots that failed this request
         self.deadline = time.monotonic() + pipeline.settings.request_timeout
@@ -112,7 +113,7 @@ class Attempts:
             self.p.notify(self.record)
             return
         choice, backend, self.choice = self.choice, self.backend, None
-        self.p.spawn(self.p.after(choice, backend, self.prompt, self.big, delivered, self.record))
+        self.p.spawn(self.p.after(choice, backend, self.prompt, self.big, delivered, self.record, self.want))
 
     def cancelled(self) -> None:
         """The client left before the answer started."""
@@ -144,15 +145,15 @@ class Attempts:
 
     async def _once(self) -> aiohttp.ClientResponse:
         self.sent = False
-        choice = await self.p.take_slot(self.prompt, self.candidate, self.record, self.allowed())
+        choice = await self.p.take_slot(self.prompt, self.candidate, self.record, self.allowed(), self.want)
         backend = self.p.backends[choice.slot.backend]
         self.choice, self.backend = choice, backend
-        # what the slot holds if this try fails: unchanged, unless a restore (or its failure) replaced it
-        held = None if choice.restore is not None else True
+        # what the slot holds if this try fails: what `prepare` left in it (it keeps slot.content true)
+        held = True
         try:
-            if choice.restore is not None and self.p.kv_enabled(backend, self.prompt.model):
-                await self.p.restore(choice, self.record)
-            self.record.cache_hit = bool(self.record.restored) or choice.resident > 0
+            await self.p.prepare(choice, backend, self.prompt, self.want, self.record)
+            if self.want is None:
+                self.record.cache_hit = bool(self.record.restored) or choice.resident > 0
             self.sent = True
             backend.breaker.claim(time.monotonic())   # when half-open, this request is the probe
             upstream = await backend.client.chat(self.body, choice.slot.id, client_auth=self.client_auth)

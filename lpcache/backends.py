@@ -87,6 +87,7 @@ class Backend:
     n_slots: int
     breaker: Breaker = field(default_factory=Breaker)
     slots_known: bool = True   # False while n_slots is the N_SLOTS fallback of a server that did not answer
+    router: bool = False       # a llama-server router: slots belong to a model's instance (BACKENDS or /props)
 
     @property
     def url(self) -> str:

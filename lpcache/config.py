@@ -19,6 +19,7 @@ import orjson
 from .errors import ConfigError
 
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARN", "WARNING", "ERROR", "CRITICAL")
+SAVE_POLICIES = ("eager", "evict")
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,10 @@ class BackendConfig:
     slot_save_path: str | None = None
     kv_cache: bool = True
     client: str = "llama"   # the backend-client plugin that talks to it
+    router: bool | None = None       # a llama-server router (many models); None: ask GET /props (role)
+    max_files: int | None = None     # per-route limits of saved session caches; None: MAX_FILES / MAX_GIB
+    max_gib: float | None = None
+    models_max: int | None = None    # the router's --models-max; None: MODELS_MAX
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,11 @@ class Settings:
     breaker_cooldown_ms: int = 1000
     breaker_max_cooldown_ms: int = 60000
     shutdown_timeout: float = 30.0
+    save_policy: str = "eager"
+    save_idle_seconds: float = 0.0
+    max_files: int = 0
+    max_gib: float = 0.0
+    models_max: int = 4
     # Plugin specs ({"name", "params"}), in order: from PLUGINS, else translated from the legacy variables.
     plugins: tuple[dict[str, Any], ...] = ()
     # Where each value came from ("flag", "env" or "default"), for the start-up log and for N_SLOTS.
@@ -200,8 +210,33 @@ def _backends(raw: str) -> tuple[BackendConfig, ...]:
         client = item.get("client", "llama")
         if not isinstance(client, str) or not client:
             raise ValueError(f"entry {i}: \"client\" must be the name of a backend-client plugin")
-        backends.append(BackendConfig(url, n_slots, path or None, kv_cache, client))
+        router = item.get("router")
+        if router is not None and not isinstance(router, bool):
+            raise ValueError(f"entry {i}: \"router\" must be true or false")
+        backends.append(BackendConfig(url, n_slots, path or None, kv_cache, client, router,
+                                      _count(item, "max_files", i), _gib(item, i), _count(item, "models_max", i)))
     return tuple(backends)
+
+
+def _count(item: Mapping[str, Any], name: str, i: int) -> int | None:
+    value = item.get(name)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"entry {i}: \"{name}\" must be an integer of at least 0")
+    return value
+
+
+def _gib(item: Mapping[str, Any], i: int) -> float | None:
+    value = item.get("max_gib")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0):
+        raise ValueError(f"entry {i}: \"max_gib\" must be a number of at least 0")
+    return None if value is None else float(value)
+
+
+def _save_policy(raw: str) -> str:
+    value = raw.strip().lower()
+    if value not in SAVE_POLICIES:
+        raise ValueError(f"{raw!r} is not one of {', '.join(SAVE_POLICIES)}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -220,7 +255,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("BACKENDS", "--backends", _backends, None,
            'JSON array of backends: [{"url": "...", "n_slots": N, "slot_save_path": "...", "kv_cache": true}]. '
            "n_slots defaults to the server's total_slots (GET /props); kv_cache false turns off save and restore "
-           "for that backend. When unset, one backend is built from LLAMA_URL, N_SLOTS and SLOT_SAVE_PATH.",
+           "for that backend. Optional too: \"router\" (true/false; unset: asked from GET /props), \"max_files\", "
+           "\"max_gib\", \"models_max\" (this backend's MAX_FILES, MAX_GIB, MODELS_MAX). When unset, one backend "
+           "is built from LLAMA_URL, N_SLOTS and SLOT_SAVE_PATH.",
            metavar="JSON"),
     Option("LLAMA_URL", "--llama-url", _url, "http://127.0.0.1:8000",
            "The single backend's URL when BACKENDS is unset.", metavar="URL"),
@@ -276,6 +313,22 @@ OPTIONS: tuple[Option, ...] = (
     Option("SHUTDOWN_TIMEOUT", "--shutdown-timeout", _float(0.0), "30",
            "Seconds requests in flight get to finish on SIGTERM/SIGINT (running saves get as long again).",
            metavar="SECONDS"),
+    Option("SAVE_POLICY", "--save-policy", _save_policy, "eager",
+           "When a slot's cache is written to disk. eager: after every big request (and a session's whenever it "
+           "is swapped out changed); evict: only when the slot is needed for another cache, after "
+           "SAVE_IDLE_SECONDS without a request, and at shutdown.", metavar="POLICY"),
+    Option("SAVE_IDLE_SECONDS", "--save-idle-seconds", _float(0.0), "0",
+           "Also save a slot's unsaved cache once no request used it for this long (a request restarts the wait); "
+           "0 = never on idle.", metavar="SECONDS"),
+    Option("MAX_FILES", "--max-files", _int(0), "0",
+           "Keep at most this many saved session caches per route (model); the ones used longest ago go first. "
+           "0 = no limit. Per backend: \"max_files\" in BACKENDS.", metavar="N"),
+    Option("MAX_GIB", "--max-gib", _float(0.0), "0",
+           "Keep at most this many GiB of saved session caches per route; 0 = no limit. Per backend: "
+           "\"max_gib\" in BACKENDS.", metavar="GIB"),
+    Option("MODELS_MAX", "--models-max", _int(0), "4",
+           "The --models-max of a llama-server router (0 = no limit): the slots of the model it is about to "
+           "unload are saved first. Per backend: \"models_max\" in BACKENDS.", metavar="N"),
     Option("PLUGINS", "--plugins", _plugin_specs, None,
            'JSON array of plugin specs [{"name": "...", "params": {...}}]. Built-ins: keyword, qwen_guard, '
            "result_cache, chain (prefilters, run in list order; [] = none), request_log, dashboard (at most one); "
@@ -383,6 +436,11 @@ def load_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] 
         breaker_cooldown_ms=values["BREAKER_COOLDOWN_MS"],
         breaker_max_cooldown_ms=values["BREAKER_MAX_COOLDOWN_MS"],
         shutdown_timeout=values["SHUTDOWN_TIMEOUT"],
+        save_policy=values["SAVE_POLICY"],
+        save_idle_seconds=values["SAVE_IDLE_SECONDS"],
+        max_files=values["MAX_FILES"],
+        max_gib=values["MAX_GIB"],
+        models_max=values["MODELS_MAX"],
         plugins=plugin_specs(values),
         sources=sources,
     )

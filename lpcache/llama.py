@@ -12,6 +12,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlencode
 
 import aiohttp
 import orjson
@@ -98,13 +99,20 @@ class LlamaClient:
         return await self._send("POST", path, params=params, data=data,
                                 headers={**auth, "Content-Type": "application/json"})
 
-    async def slot_action(self, slot: int, action: str, filename: str | None = None) -> SlotAction:
+    async def slot_action(self, slot: int, action: str, filename: str | None = None,
+                          model: str | None = None) -> SlotAction:
         """save, restore or erase. A failure is an answer (ok False), never an exception: a cache miss must only
-        cost a prefill."""
-        payload = {"filename": filename} if filename is not None else {}
+        cost a prefill. `model`: on a router, the model whose slot it is (the router reads it from the body); a
+        save there never loads a model the router has unloaded (`autoload=false`)."""
+        payload: dict[str, Any] = {"filename": filename} if filename is not None else {}
+        params = {"action": action}
+        if model is not None:
+            payload["model"] = model
+            if action == "save":
+                params["autoload"] = "false"
         started = time.perf_counter()
         try:
-            async with self.session.post(f"{self.url}/slots/{slot}", params={"action": action},
+            async with self.session.post(f"{self.url}/slots/{slot}", params=params,
                                          data=orjson.dumps(payload), timeout=self.timeout,
                                          headers={**self.headers, "Content-Type": "application/json"}) as resp:
                 raw = await resp.read()
@@ -117,7 +125,30 @@ class LlamaClient:
             doc = {"error": raw.decode("utf-8", "replace")[:500]}
         if not isinstance(doc, dict):
             doc = {"error": str(doc)[:500]}
+        if status in (401, 403):
+            log.warning("slot_action_refused url=%s action=%s status=%d: the server refused the API key",
+                        self.url, action, status)
         return SlotAction(status == 200, status, doc, _ms(started))
+
+    async def slot_busy(self, slot: int, model: str | None = None) -> bool:
+        """Whether the slot is processing a request (GET /slots, is_processing). False when the server does not
+        tell (no /slots endpoint, an error): the caller then acts at once. On a router, never loads the model."""
+        path = "/slots" if model is None else f"/slots?{urlencode({'model': model, 'autoload': 'false'})}"
+        try:
+            slots = await self.get_json(path)
+        except (BackendUnreachable, BackendError):
+            return False
+        return isinstance(slots, list) and any(
+            isinstance(s, dict) and s.get("id") == slot and bool(s.get("is_processing")) for s in slots)
+
+    async def props(self, model: str | None = None) -> dict[str, Any]:
+        """GET /props (of one model's instance on a router, without loading it). Raises BackendUnreachable or
+        BackendError."""
+        path = "/props" if model is None else f"/props?{urlencode({'model': model, 'autoload': 'false'})}"
+        props = await self.get_json(path)
+        if not isinstance(props, dict):
+            raise BackendError("/props is not a JSON object", status=502)
+        return props
 
     async def get_json(self, path: str) -> Any:
         """GET a small JSON document (/props, /slots, /health). Raises BackendUnreachable or BackendError."""
@@ -133,7 +164,7 @@ class LlamaClient:
             raise BackendError(f"{path} did not answer JSON", status=502) from e
 
     async def total_slots(self) -> int:
-        props = await self.get_json("/props")
+        props = await self.props()
         n = props.get("total_slots") if isinstance(props, dict) else None
         if not isinstance(n, int) or n < 1:
             raise BackendError("/props has no total_slots", status=502)

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.requests import Request
 from starlette.responses import Response
@@ -47,6 +47,14 @@ class _Live(Collector):
         yield GaugeMetricFamily("lpcache_waiting_requests", "Requests waiting for a slot", value=p.pool.waiting)
         yield GaugeMetricFamily("lpcache_cache_entries", "Saved KV caches in the meta index", value=len(p.index))
         yield GaugeMetricFamily("lpcache_coalesced_groups", "Running coalesced groups", value=len(p.coalescer))
+        yield GaugeMetricFamily("lpcache_sessions", "Sessions (X-Session-ID) seen since start", value=len(p.sessions))
+        idle = CounterMetricFamily("lpcache_background_saves", "Slot saves outside requests (idle, shutdown, "
+                                   "a router about to unload a model)", labels=["result"])
+        idle.add_metric(["ok"], p.background.saves_ok)
+        idle.add_metric(["failed"], p.background.saves_failed)
+        yield idle
+        yield CounterMetricFamily("lpcache_background_save_bytes", "Bytes those saves wrote",
+                                  value=p.background.bytes)
 
 
 class Metrics:
@@ -109,6 +117,12 @@ class Metrics:
             self._child(self.saves, "ok" if record.saved else "failed").inc()
             if record.save_ms is not None:
                 self.save_seconds.observe(record.save_ms / 1000.0)
+        if record.swap_saved is not None:
+            self._child(self.saves, "ok" if record.swap_saved else "failed").inc()
+            if record.swap_save_ms is not None:
+                self.save_seconds.observe(record.swap_save_ms / 1000.0)
+        if record.swap_save_bytes:
+            self.disk_bytes.labels("save").inc(record.swap_save_bytes)
         if record.cache_n is not None:
             self._child(self.tokens, "cached").inc(record.cache_n)
         if record.prompt_n is not None:

@@ -12,23 +12,28 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
 from starlette.requests import Request
 from starlette.types import ASGIApp
 
+from . import swap
 from .attempts import Attempts
 from .backends import Backend
+from .cache_files import Limits
 from .coalesce import Coalescer, coalesce_key
 from .config import Settings
 from .errors import BadRequest, ClientGone, ProxyError, SlotsBusy
 from .guard import bearer_token, read_body
 from .index import Candidate, MetaEntry, MetaIndex
+from .llama import SlotAction
 from .plugins.base import Answer, ChatRequest, Prefilter, Reject, Serve
-from .prefix import Prompt, raw_prefix
+from .prefix import Prompt, common_prefix, raw_prefix
 from .record import Observer, RequestRecord
 from .relay import ClientWatch, FollowerRelay, JsonRelay, ServedRelay, SseRelay
+from .sessions import SessionBook, route_name, session_filename, session_id
 from .slots import Choice, Content, Slot, SlotPool, worth_waiting_for
 
 log = logging.getLogger("lpcache.pipeline")
@@ -65,6 +70,15 @@ def parse_chat_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
+@dataclass
+class BackgroundSaves:
+    """Saves outside any request (idle, shutdown, a model about to be unloaded): they have no request record."""
+
+    saves_ok: int = 0
+    saves_failed: int = 0
+    bytes: int = 0
+
+
 class Pipeline:
     def __init__(self, settings: Settings, backends: Sequence[Backend], pool: SlotPool, index: MetaIndex,
                  observers: Sequence[Observer] = (), prefilters: Sequence[Prefilter] = ()) -> None:
@@ -77,6 +91,16 @@ class Pipeline:
         self.tasks: set[asyncio.Task[Any]] = set()
         self.coalescer = Coalescer()
         self.kv_off: set[tuple[int, str]] = set()   # (backend, model) whose restores the server does not reuse
+        self.sessions = SessionBook()
+        self.folders = [swap.Folders(b.config.slot_save_path, self._limits(b)) for b in self.backends]
+        self.idle_saves: dict[Slot, asyncio.Task[None]] = {}
+        self.background = BackgroundSaves()
+
+    def _limits(self, backend: Backend) -> Callable[[str], Limits]:
+        c, s = backend.config, self.settings
+        limits = Limits.of(s.max_files if c.max_files is None else c.max_files,
+                           s.max_gib if c.max_gib is None else c.max_gib)
+        return lambda tag: limits
 
     # ---- the steps ----
 
@@ -99,6 +123,7 @@ class Pipeline:
             served = await self.prefilter(view, record)
             if served is not None:
                 return ServedRelay(served, record, self.notify, self.spawn, view)
+        want = self.session_cache(request, model, prompt, body["messages"], record)
         if big:
             body["cache_prompt"] = True
 
@@ -113,7 +138,7 @@ class Pipeline:
             record.coalesced = False
         # With client keys, Authorization is lpcache's own; without, it goes on to llama-server as it came.
         client_auth = None if self.settings.api_keys else request.headers.get("authorization")
-        attempts = Attempts(self, body, prompt, big, record, client_auth, view)
+        attempts = Attempts(self, body, prompt, big, record, client_auth, view, want)
         attempts.group = group
         try:
             await attempts.start()
@@ -137,6 +162,25 @@ class Pipeline:
         if stream:
             return SseRelay(attempts, record, watch, self.settings.stream_queue_size, started)
         return JsonRelay(attempts, record, watch)
+
+    def session_cache(self, request: Request, model: str, prompt: Prompt, messages: list[Any],
+                      record: RequestRecord) -> Content | None:
+        """Session mode: a valid X-Session-ID keys the request by route and session. Returns the cache the slot
+        must hold (its file name is `<route tag>_<session>.bin`), or None for prefix mode. Logs where the prompt
+        first differs from the session's previous one."""
+        header = request.headers.get("x-session-id")
+        sid = session_id(header)
+        if sid is None:
+            if header is not None:
+                log.debug("session_id_ignored: not 32 lower-case hex digits (prefix mode)")
+            return None
+        route = route_name(model)
+        name = session_filename(route, sid)
+        record.session = sid
+        info = self.sessions.seen(name, sid, route, messages, time.time())
+        if info.comparison is not None:
+            log.info("session_prompt file=%s %s", name, info.comparison.log_line())
+        return Content(name, prompt.chain, keep=True, session=sid, model=model)
 
     async def prefilter(self, view: ChatRequest, record: RequestRecord) -> Serve | None:
         """Run the prefilters in order: the first that rejects or serves decides. A prefilter that fails is
@@ -207,27 +251,154 @@ class Pipeline:
         return candidate
 
     async def take_slot(self, prompt: Prompt, candidate: Candidate | None, record: RequestRecord,
-                        allowed: Callable[[Slot], bool] | None = None) -> Choice:
+                        allowed: Callable[[Slot], bool] | None = None, want: Content | None = None) -> Choice:
         """A slot for the request: an idle one, or, when a busy slot will hold far more of the prompt (the
-        previous turn of the conversation, still being answered or saved), that one after a bounded wait."""
+        previous turn of the conversation, still being answered or saved; in session mode, the slot that holds
+        the session), that one after a bounded wait."""
         choice = None
-        target = worth_waiting_for(self.pool.slots, prompt, candidate, allowed)
+        session = want.key if want is not None else None
+        target = worth_waiting_for(self.pool.slots, prompt, candidate, allowed, session)
         if target is not None:
             try:
                 choice = await self.pool.acquire(prompt, candidate, lambda s: s is target,
-                                                 timeout=min(OWN_SLOT_WAIT, self.settings.slot_wait_timeout))
+                                                 timeout=min(OWN_SLOT_WAIT, self.settings.slot_wait_timeout),
+                                                 session=session)
                 log.debug("waited_for_slot slot=%s key=%s", target.name, prompt.key[:16])
             except SlotsBusy:
                 log.info("own_slot_still_busy slot=%s: taking another", target.name)
         if choice is None:
             try:
-                choice = await self.pool.acquire(prompt, candidate, allowed)
+                choice = await self.pool.acquire(prompt, candidate, allowed, session=session)
             except SlotsBusy:
                 record.reason = "slot_timeout"
                 raise
-        choice.slot.pending = Content(prompt.key, prompt.chain)
+        self.cancel_idle_save(choice.slot)
+        choice.slot.pending = want or Content(prompt.key, prompt.chain)
         record.backend, record.slot = self.backends[choice.slot.backend].url, choice.slot.id
         return choice
+
+    def slot_model(self, backend: Backend, model: str) -> str | None:
+        """The model slot calls must name: on a router, the request's model (without LiteLLM's `openai/`)."""
+        return route_name(model) if backend.router else None
+
+    async def prepare(self, choice: Choice, backend: Backend, prompt: Prompt, want: Content | None,
+                      record: RequestRecord) -> None:
+        """Make the slot hold the best cache for the request before it is sent: in session mode swap the session
+        in; in prefix mode restore the chosen saved cache. Either way, what the slot holds is saved first when it
+        is worth keeping, unsaved (SAVE_POLICY=evict, or a small session request) and about to be replaced."""
+        if not self.kv_enabled(backend, prompt.model):
+            return
+        slot = choice.slot
+        if want is not None:
+            await self.swap_session(choice, backend, prompt, want, record)
+            return
+        held = slot.content
+        if held is not None and held.dirty and (
+                choice.restore is not None or common_prefix(held.chain, prompt.chain) < len(held.chain)):
+            model = self.slot_model(backend, prompt.model)
+            if await swap.wait_idle(backend.client, slot.id, model):
+                result, _ = await swap.save(backend.client, slot.id, held, self.folders[backend.index], model)
+                self.saved_held(backend, slot, held, result, record)
+        if choice.restore is not None:
+            await self.restore(choice, record)
+
+    async def swap_session(self, choice: Choice, backend: Backend, prompt: Prompt, want: Content,
+                           record: RequestRecord) -> None:
+        slot = choice.slot
+        info = self.sessions.get(want.key)
+        result = await swap.bring_in(backend.client, slot.id, slot.content, want, self.folders[backend.index],
+                                     self.slot_model(backend, prompt.model))
+        if result.saved is not None and slot.content is not None:
+            self.saved_held(backend, slot, slot.content, result.saved, record)
+        slot.content = result.held
+        restored = result.restored
+        if restored is not None:
+            record.restored, record.restore_ms = restored.ok, restored.ms
+            record.restore_bytes = _int_or_none(restored.body.get("n_read"))
+            record.restored_tokens = _int_or_none(restored.body.get("n_restored"))
+            if info is not None and info.saved_chain and prompt.chain:
+                record.restore_share = common_prefix(info.saved_chain, prompt.chain) / len(prompt.chain)
+            if restored.ok and info is not None:
+                info.restores += 1
+        hit = result.skipped == "resident" or bool(restored is not None and restored.ok)
+        record.cache_hit = hit
+        if info is not None and hit:
+            info.cache_hits += 1
+
+    def saved_held(self, backend: Backend, slot: Slot, held: Content, result: SlotAction,
+                   record: RequestRecord | None) -> None:
+        """Bookkeeping after the slot's previous cache was saved under its own name: its meta file (a prefix
+        cache) or its session entry; a failed save of a prefix cache may have left a partial file."""
+        n_written = _int_or_none(result.body.get("n_written"))
+        if record is not None:
+            record.swap_saved, record.swap_save_ms, record.swap_save_bytes = result.ok, result.ms, n_written
+        else:
+            b = self.background
+            b.saves_ok, b.saves_failed = b.saves_ok + result.ok, b.saves_failed + (not result.ok)
+            b.bytes += n_written or 0
+        path = backend.config.slot_save_path
+        if result.ok:
+            if slot.content is held:
+                slot.content = replace(held, saved=True)
+            if held.session is not None:
+                info = self.sessions.get(held.key)
+                if info is not None:
+                    info.saves, info.file_bytes, info.saved_chain = info.saves + 1, n_written, held.chain
+            elif held.prompt is not None:
+                self.spawn(self.index.add(held.prompt, backend.url, path))
+        elif held.session is None:
+            self.spawn(self.index.forget(held.key, path))
+
+    def cancel_idle_save(self, slot: Slot) -> None:
+        task = self.idle_saves.pop(slot, None)
+        if task is not None:
+            task.cancel()
+
+    def schedule_idle_save(self, slot: Slot, backend: Backend) -> None:
+        """SAVE_IDLE_SECONDS: save the slot's unsaved cache once no request used it for that long."""
+        delay = self.settings.save_idle_seconds
+        if delay <= 0 or slot.content is None or not slot.content.dirty:
+            return
+        self.cancel_idle_save(slot)
+        self.idle_saves[slot] = asyncio.ensure_future(self._idle_save(slot, backend, delay))
+
+    async def _idle_save(self, slot: Slot, backend: Backend, delay: float) -> None:
+        await asyncio.sleep(delay)
+        if self.idle_saves.get(slot) is asyncio.current_task():
+            del self.idle_saves[slot]
+        await self.save_idle_slot(slot, backend, "idle")
+
+    async def save_idle_slot(self, slot: Slot, backend: Backend, why: str) -> bool:
+        """Save an idle slot's unsaved cache under its own name, holding the slot meanwhile (outside a request:
+        idle, shutdown, a router about to unload the model). False when there was nothing to do or the slot was
+        taken."""
+        held = slot.content
+        if held is None or not held.dirty or not self.kv_enabled(backend, held.model):
+            return False
+        if not self.pool.take_idle(slot):
+            return False
+        try:
+            slot_model = self.slot_model(backend, held.model)
+            if not await swap.wait_idle(backend.client, slot.id, slot_model):
+                return False
+            result, _ = await swap.save(backend.client, slot.id, held, self.folders[backend.index], slot_model)
+            log.info("background_save why=%s slot=%s file=%s ok=%s", why, slot.name, held.key,
+                     str(result.ok).lower())
+            self.saved_held(backend, slot, held, result, None)
+            return result.ok
+        finally:
+            self.pool.release(slot, True, used=False)
+
+    async def save_all(self, timeout: float) -> None:
+        """At shutdown (SAVE_POLICY=evict): save every idle slot whose cache is not on disk yet."""
+        for task in list(self.idle_saves.values()):
+            task.cancel()
+        self.idle_saves.clear()
+        jobs = [self.save_idle_slot(slot, self.backends[slot.backend], "shutdown")
+                for slot in self.pool.slots if slot.content is not None and slot.content.dirty]
+        if jobs:
+            log.info("saving %d unsaved slot cache(s) before stopping", len(jobs))
+            await asyncio.wait([asyncio.ensure_future(j) for j in jobs], timeout=timeout)
 
     async def restore(self, choice: Choice, record: RequestRecord) -> None:
         """Load the saved cache into the slot. On failure llama-server clears the slot; a meta whose file is gone
@@ -251,20 +422,43 @@ class Pipeline:
             await self.index.discard_if_stale(entry.key)
 
     async def after(self, choice: Choice, backend: Backend, prompt: Prompt, big: bool, delivered: bool,
-                    record: RequestRecord) -> None:
-        """After the client has its answer: save a big prompt's cache, record it, release the slot, tell the
-        observers. Runs even when the client left mid-stream: the prompt's cache is still worth keeping."""
-        content: Content | None = Content(prompt.key, prompt.chain)
+                    record: RequestRecord, want: Content | None = None) -> None:
+        """After the client has its answer: save a big prompt's cache (SAVE_POLICY=eager), record it, release the
+        slot, tell the observers. Runs even when the client left mid-stream: the prompt's cache is still worth
+        keeping. With SAVE_POLICY=evict the cache stays unsaved in the slot until something needs the slot."""
+        content: Content | None = (replace(want, chain=prompt.chain) if want is not None
+                                   else Content(prompt.key, prompt.chain, keep=big, prompt=prompt,
+                                                model=prompt.model))
         try:
             self.check_reuse(backend, prompt.model, record)
-            if big and self.kv_enabled(backend, prompt.model):
-                content = await self.save(choice, backend, prompt, record)
+            if big and self.settings.save_policy == "eager" and self.kv_enabled(backend, prompt.model):
+                assert content is not None
+                if want is not None:
+                    content = await self.save_session(choice, backend, prompt, content, record)
+                else:
+                    content = await self.save(choice, backend, prompt, record)
         except Exception:  # never leave the slot locked
             log.exception("save_crashed key=%s", prompt.key[:16])
             content = None
         finally:
             self.pool.release(choice.slot, content)
+            self.schedule_idle_save(choice.slot, backend)
             self.notify(record)
+
+    async def save_session(self, choice: Choice, backend: Backend, prompt: Prompt, content: Content,
+                           record: RequestRecord) -> Content:
+        """Eager: write the session's cache to its file now (no retries: the next swap saves it again)."""
+        result, _ = await swap.save(backend.client, choice.slot.id, content, self.folders[backend.index],
+                                    self.slot_model(backend, prompt.model))
+        record.saved, record.save_ms = result.ok, result.ms
+        record.save_bytes = _int_or_none(result.body.get("n_written"))
+        if not result.ok:
+            record.reason = record.reason or "save_failed"
+            return content
+        info = self.sessions.get(content.key)
+        if info is not None:
+            info.saves, info.file_bytes, info.saved_chain = info.saves + 1, record.save_bytes, content.chain
+        return replace(content, saved=True)
 
     async def save(self, choice: Choice, backend: Backend, prompt: Prompt, record: RequestRecord) -> Content:
         slot = choice.slot
@@ -278,7 +472,7 @@ class Pipeline:
                          result.body.get("n_saved"), result.body.get("n_written"), result.ms)
                 # The meta file is written in the background: the slot is free once the server has saved it.
                 self.spawn(self.index.add(prompt, backend.url, backend.config.slot_save_path))
-                return Content(prompt.key, prompt.chain, saved=True)
+                return Content(prompt.key, prompt.chain, saved=True, keep=True, prompt=prompt)
             log.warning("slot_save_failed key=%s slot=%s attempt=%d/%d status=%s reason=%r", prompt.key[:16],
                         slot.name, attempt, attempts, result.status, result.error)
             if attempt < attempts:
@@ -287,7 +481,7 @@ class Pipeline:
         record.reason = record.reason or "save_failed"
         # The server writes in place: a failed save may have left a partial file under this key.
         await self.index.forget(prompt.key, backend.config.slot_save_path)
-        return Content(prompt.key, prompt.chain)
+        return Content(prompt.key, prompt.chain, keep=True, prompt=prompt)
 
     # ---- plumbing ----
 

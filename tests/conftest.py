@@ -45,15 +45,21 @@ class Proxy:
     def settle(self, timeout: float = 30) -> None:
         asyncio.run_coroutine_threadsafe(self.pipeline.settle(), self.app.state.loop).result(timeout)
 
+    def run(self, coro: Any, timeout: float = 30) -> Any:
+        """Run a coroutine on lpcache's event loop (to await its own tasks, or call the pipeline)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.app.state.loop).result(timeout)
+
     def busy_slots(self) -> list[str]:
         return [s.name for s in self.pipeline.pool.slots if s.busy]
 
-    def chat(self, messages: list[dict[str, Any]], **body: Any) -> httpx.Response:
-        return self.client.post("/v1/chat/completions", json={"messages": messages, **body})
+    def chat(self, messages: list[dict[str, Any]], headers: dict[str, str] | None = None,
+             **body: Any) -> httpx.Response:
+        return self.client.post("/v1/chat/completions", json={"messages": messages, **body}, headers=headers)
 
-    def push(self, messages: list[dict[str, Any]], **body: Any) -> httpx.Response:
+    def push(self, messages: list[dict[str, Any]], headers: dict[str, str] | None = None,
+             **body: Any) -> httpx.Response:
         """A request whose save is done before the next one chooses its slot (for tests of slot choice)."""
-        r = self.chat(messages, **body)
+        r = self.chat(messages, headers, **body)
         self.settle()
         return r
 

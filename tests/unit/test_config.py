@@ -59,6 +59,11 @@ VALID = {
     "BREAKER_COOLDOWN_MS": "50",
     "BREAKER_MAX_COOLDOWN_MS": "4000",
     "SHUTDOWN_TIMEOUT": "5",
+    "SAVE_POLICY": "evict",
+    "SAVE_IDLE_SECONDS": "2.5",
+    "MAX_FILES": "3",
+    "MAX_GIB": "1.5",
+    "MODELS_MAX": "2",
     "PLUGINS": '[{"name": "keyword", "params": {"keywords": ["x"]}}]',
     "REQUEST_LOG": "true",
     "REQUEST_LOG_PATH": "/tmp/r.log",
@@ -450,3 +455,32 @@ def test_boolean_options_work_as_bare_flags() -> None:
     s = load(["--coalesce-requests", "--request-log"])
     assert s.coalesce_requests is True and [p["name"] for p in s.plugins] == ["request_log"]
     assert load(["--coalesce-requests", "false"]).coalesce_requests is False
+
+
+# ---- session mode, save policy, limits, router ----
+
+def test_save_policy_and_limits() -> None:
+    s = load(SAVE_POLICY="Evict", SAVE_IDLE_SECONDS="2.5", MAX_FILES="3", MAX_GIB="1.5", MODELS_MAX="0")
+    assert (s.save_policy, s.save_idle_seconds, s.max_files, s.max_gib, s.models_max) == ("evict", 2.5, 3, 1.5, 0)
+    d = load()
+    assert (d.save_policy, d.save_idle_seconds, d.max_files, d.max_gib, d.models_max) == ("eager", 0.0, 0, 0.0, 4)
+    assert load(["--save-policy", "evict", "--max-files", "2"]).max_files == 2
+
+
+@pytest.mark.parametrize(("env", "value"), [("SAVE_POLICY", "lazy"), ("SAVE_IDLE_SECONDS", "-1"),
+                                            ("MAX_FILES", "-2"), ("MAX_GIB", "x"), ("MODELS_MAX", "1.5")])
+def test_bad_session_settings_name_the_variable(env: str, value: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load(**{env: value})
+    assert e.value.variable == env
+
+
+def test_backend_router_and_limits() -> None:
+    s = load(BACKENDS='[{"url": "http://h:1", "router": true, "max_files": 2, "max_gib": 0.5, "models_max": 1},'
+                      ' {"url": "http://h:2"}]')
+    a, b = s.backends
+    assert (a.router, a.max_files, a.max_gib, a.models_max) == (True, 2, 0.5, 1)
+    assert (b.router, b.max_files, b.max_gib, b.models_max) == (None, None, None, None)
+    for bad in ('"router": "yes"', '"max_files": -1', '"max_gib": "big"', '"models_max": true'):
+        with pytest.raises(ConfigError):
+            load(BACKENDS='[{"url": "http://h:1", ' + bad + '}]')

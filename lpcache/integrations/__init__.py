@@ -1,0 +1,1 @@
+"""lpcache's parts for other proxies: `lpcache.integrations.litellm` is a LiteLLM hook for session mode."""

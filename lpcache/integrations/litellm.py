@@ -1,0 +1,291 @@
+"""A LiteLLM hook for session mode: one llama-server slot, one cache file per X-Session-ID, swapped in on demand.
+
+Enable it in LiteLLM's config.yaml, on the routes that go to a llama-server:
+
+    model_list:
+      - model_name: "*"
+        litellm_params: {model: "openai/*", api_base: "http://llama-server:8080/v1", api_key: none}
+        model_info:
+          slot_cache: true      # or {slot: 0, model: ..., save_path: /slots, max_files: 8, max_gib: 20,
+                                #     models_max: 4, save_idle_seconds: 120}
+    litellm_settings:
+      callbacks: lpcache.integrations.litellm.proxy_handler_instance
+
+A request with a valid `X-Session-ID` (32 lower-case hex digits) on such a route gets its session's cache in the
+slot before LiteLLM sends it: the slot's previous session is saved under its own name (when it changed), the new
+one's file restored (no file yet: the slot is left as it is, the request reads its prompt). This is the same swap
+code lpcache's own session mode uses (`lpcache.swap`); file names, limits and log lines are the same.
+
+- The route is LiteLLM's model group (with the wildcard, the model the client asked for) without `openai/`; files
+  are `<route tag>_<session>.bin`, so two routes never share one.
+- The server is the route's `api_base` without its `/v1`, with the route's `api_key`. Slot calls name the model
+  (the request's, without `openai/`, or `model` of the settings): a llama-server router sends them to that model's
+  instance, a single-model server ignores it.
+- Settings per route in `model_info.slot_cache`, defaults from the environment: slot (LLAMA_SLOT, 0), save_path
+  (LLAMA_SLOT_SAVE_PATH: the --slot-save-path folder as this process sees it; needed for limits), max_files
+  (LLAMA_CACHE_MAX_FILES), max_gib (LLAMA_CACHE_MAX_GIB), models_max (LLAMA_MODELS_MAX, 4; a router's
+  --models-max: the model it is about to unload has its slot saved first), save_idle_seconds
+  (LLAMA_SAVE_IDLE_SECONDS, 0: save only when the slot is needed for another session).
+- Slot actions go only to an idle slot (GET /slots); nothing here ever fails a request: a miss, a missing file or
+  a dead server only costs a prefill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import aiohttp
+
+from .. import swap
+from ..cache_files import Limits
+from ..llama import LlamaClient
+from ..sessions import SessionBook, route_name, route_tag, session_filename, session_id
+from ..slots import Content
+
+try:  # LiteLLM's base class, when LiteLLM is installed (the hook runs inside its proxy)
+    from litellm.integrations.custom_logger import CustomLogger
+except ImportError:  # pragma: no cover - lpcache without LiteLLM: the module still imports
+    class CustomLogger:  # type: ignore[no-redef]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+log = logging.getLogger("lpcache.integrations.litellm")
+
+IDLE_SAVE_WAIT_SECONDS = 3600.0   # an idle save waits this long at most for a request of another client to end
+
+
+def _follow_litellm_logging() -> None:
+    """lpcache's lines appear in LiteLLM's log (LITELLM_LOG=INFO), unless lpcache's logger is set up already."""
+    try:
+        from litellm._logging import verbose_proxy_logger
+    except ImportError:  # pragma: no cover
+        return
+    ours = logging.getLogger("lpcache")
+    if not ours.handlers:
+        for handler in verbose_proxy_logger.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(verbose_proxy_logger.getEffectiveLevel())
+        ours.propagate = False
+
+
+@dataclass(frozen=True)
+class RouteOptions:
+    """`model_info.slot_cache` of a route, over the LLAMA_* environment."""
+
+    slot: int = 0
+    model: str | None = None
+    save_path: str | None = None
+    max_files: int = 0
+    max_gib: float = 0.0
+    models_max: int = 4
+    save_idle_seconds: float = 0.0
+
+    @classmethod
+    def of(cls, value: Any, environ: Mapping[str, str]) -> RouteOptions:
+        """Raises ValueError naming the setting."""
+        given: Mapping[str, Any] = value if isinstance(value, Mapping) else {}
+        unknown = set(given) - {"slot", "model", "save_path", "max_files", "max_gib", "models_max",
+                                "save_idle_seconds"}
+        if unknown:
+            raise ValueError(f"unknown slot_cache setting(s): {', '.join(sorted(unknown))}")
+
+        def pick(name: str, env: str, default: str, parse: Any, minimum: float = 0) -> Any:
+            raw = given.get(name, environ.get(env, default))
+            try:
+                number = parse(raw)
+            except (TypeError, ValueError):
+                raise ValueError(f"slot_cache {name} (or {env}): {raw!r} is not a number") from None
+            if isinstance(raw, bool) or number < minimum:
+                raise ValueError(f"slot_cache {name} (or {env}): {raw!r} must be a number of at least {minimum}")
+            return number
+
+        model = given.get("model")
+        save_path = given.get("save_path", environ.get("LLAMA_SLOT_SAVE_PATH"))
+        if model is not None and not isinstance(model, str) or save_path is not None and not isinstance(save_path,
+                                                                                                        str):
+            raise ValueError("slot_cache model and save_path must be strings")
+        return cls(slot=pick("slot", "LLAMA_SLOT", "0", int), model=model or None, save_path=save_path or None,
+                   max_files=pick("max_files", "LLAMA_CACHE_MAX_FILES", "0", int),
+                   max_gib=pick("max_gib", "LLAMA_CACHE_MAX_GIB", "0", float),
+                   models_max=pick("models_max", "LLAMA_MODELS_MAX", "4", int),
+                   save_idle_seconds=pick("save_idle_seconds", "LLAMA_SAVE_IDLE_SECONDS", "0", float))
+
+
+def server_root(api_base: str) -> str:
+    """The slots are at the root of llama-server; a route's api_base ends in /v1."""
+    base = api_base.rstrip("/")
+    return base.removesuffix("/v1")
+
+
+@dataclass(eq=False)
+class SlotState:
+    """One slot of one server (and model, on a router): the cache in it, as far as the hook knows."""
+
+    root: str
+    model: str | None
+    slot: int
+    content: Content | None = None   # None: unknown (after a start, or a model the router unloaded)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    idle: asyncio.Task[None] | None = None
+
+    def cancel_idle(self) -> None:
+        if self.idle is not None and not self.idle.done():
+            self.idle.cancel()
+        self.idle = None
+
+
+class SlotCacheHook(CustomLogger):
+    """The LiteLLM callback. One instance serves every route, server and session."""
+
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+        super().__init__()
+        self.environ = environ
+        self.states: dict[tuple[str, str | None, int], SlotState] = {}
+        self.loaded: dict[str, collections.OrderedDict[str, None]] = {}  # per router: models, used longest ago first
+        self.sessions = SessionBook()
+        self.limits: dict[tuple[str | None, str], Limits] = {}           # (save_path, route tag) -> limits
+        self.skipped: set[tuple[str, str]] = set()
+        self._http: aiohttp.ClientSession | None = None
+        self._clients: dict[tuple[str, str | None], LlamaClient] = {}
+        _follow_litellm_logging()
+
+    # ---- LiteLLM's hook: after the router chose the deployment, before the request is sent ----
+
+    async def async_pre_call_deployment_hook(self, kwargs: dict[str, Any], call_type: Any) -> None:
+        try:
+            await self.before_request(kwargs)
+        except Exception:  # the request goes on whatever happens here: a cache only ever saves time
+            log.exception("slot_cache: unexpected error; the request goes on without the cache")
+        return None
+
+    async def before_request(self, kwargs: Mapping[str, Any]) -> None:
+        headers = (kwargs.get("proxy_server_request") or {}).get("headers") or {}
+        sid = session_id(_header(headers, "x-session-id"))
+        if sid is None:
+            return
+        metadata = kwargs.get("metadata") or {}
+        raw_options = (kwargs.get("model_info") or {}).get("slot_cache")
+        api_base = kwargs.get("api_base")
+        group = metadata.get("model_group") or kwargs.get("model")
+        if not (raw_options and api_base and group):
+            why = "no model_info.slot_cache" if not raw_options else "no api_base" if not api_base else "no route"
+            self._skip(str(group), why)
+            return
+        try:
+            options = RouteOptions.of(raw_options, os.environ if self.environ is None else self.environ)
+        except ValueError as e:
+            self._skip(str(group), str(e))
+            return
+        route = route_name(str(group))
+        name = session_filename(route, sid)
+        model = options.model or route_name(str(kwargs.get("model") or route))
+        root = server_root(str(api_base))
+        api_key = kwargs.get("api_key")
+        client = self._client(root, api_key if isinstance(api_key, str) and api_key != "none" else None)
+        self.limits[(options.save_path, route_tag(route))] = Limits.of(options.max_files, options.max_gib)
+        folders = swap.Folders(options.save_path, lambda tag: self.limits.get((options.save_path, tag), Limits()))
+
+        messages = kwargs.get("messages")
+        info = self.sessions.seen(name, sid, route, messages if isinstance(messages, list) else [], time.time())
+        if info.comparison is not None:
+            log.info("slot_cache: %s prompt: %s", name, info.comparison.log_line())
+        await self.make_room(root, model, options.models_max, client, folders)
+        key = (root, model, options.slot)
+        state = self.states.get(key)
+        if state is None:
+            state = self.states[key] = SlotState(root, model, options.slot)
+        await self.switch(state, Content(name, (), keep=True, session=sid, model=model), client, folders,
+                          options.save_idle_seconds)
+
+    def _skip(self, route: str, why: str) -> None:
+        if (route, why) not in self.skipped:
+            self.skipped.add((route, why))
+            log.info("slot_cache: not used for %s: %s", route, why)
+
+    def _client(self, root: str, api_key: str | None) -> LlamaClient:
+        if self._http is None or self._http.closed:
+            self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+            self._clients.clear()
+        client = self._clients.get((root, api_key))
+        if client is None:
+            # a swap waits for the slot to be idle and a save of a big cache takes long: no short timeout here
+            client = self._clients[(root, api_key)] = LlamaClient(root, self._http, api_key=api_key,
+                                                                  timeout=IDLE_SAVE_WAIT_SECONDS)
+        return client
+
+    # ---- the slot ----
+
+    async def switch(self, state: SlotState, want: Content, client: LlamaClient, folders: swap.Folders,
+                     idle_seconds: float) -> None:
+        async with state.lock:
+            state.cancel_idle()
+            await swap.bring_in(client, state.slot, state.content, want, folders, state.model)
+            # the request about to be sent changes what the slot holds: it is this session's, not saved yet
+            state.content = replace(want, saved=False)
+        if idle_seconds > 0:
+            state.idle = asyncio.ensure_future(self._save_when_idle(state, client, folders, idle_seconds))
+
+    async def _save_when_idle(self, state: SlotState, client: LlamaClient, folders: swap.Folders,
+                              seconds: float) -> None:
+        await asyncio.sleep(seconds)
+        held = state.content
+        # the request that started the wait may still run; a new request cancels this task, also while it waits
+        if held is None or not held.dirty or not await swap.wait_idle(client, state.slot, state.model,
+                                                                        IDLE_SAVE_WAIT_SECONDS):
+            return
+        async with state.lock:
+            if state.content is not held:
+                return
+            result, _ = await swap.save(client, state.slot, held, folders, state.model)
+            if result.ok:
+                state.content = replace(held, saved=True)
+
+    async def release(self, state: SlotState, client: LlamaClient, folders: swap.Folders) -> None:
+        """The router is about to unload the model: its slot goes with it, so the cache in it is saved first (a
+        save never loads an unloaded model)."""
+        async with state.lock:
+            state.cancel_idle()
+            held = state.content
+            if held is not None and held.dirty and await swap.wait_idle(client, state.slot, state.model):
+                await swap.save(client, state.slot, held, folders, state.model)
+            state.content = None
+
+    async def make_room(self, root: str, model: str, models_max: int, client: LlamaClient,
+                        folders: swap.Folders) -> None:
+        """Follow the models a router holds, in its order; the ones it will unload for `model` are saved first."""
+        if not models_max or not model:
+            return
+        loaded = self.loaded.setdefault(root, collections.OrderedDict())
+        loaded[model] = None
+        loaded.move_to_end(model)
+        while len(loaded) > models_max:
+            gone, _ = loaded.popitem(last=False)
+            for (r, m, _slot), state in list(self.states.items()):
+                if r == root and m == gone:
+                    log.info("slot_cache: %s unloads %s for %s: saving its slot first", root, gone, model)
+                    await self.release(state, client, folders)
+
+    async def close(self) -> None:
+        for state in self.states.values():
+            state.cancel_idle()
+        if self._http is not None:
+            await self._http.close()
+
+
+def _header(headers: Any, name: str) -> str | None:
+    if not isinstance(headers, Mapping):
+        return None
+    for key, value in headers.items():
+        if isinstance(key, str) and key.lower() == name:
+            return value if isinstance(value, str) else None
+    return None
+
+
+proxy_handler_instance = SlotCacheHook()

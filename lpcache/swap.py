@@ -1,0 +1,137 @@
+"""Moving caches in and out of one llama-server slot: save what it holds (when it changed since its last save),
+then restore the cache the next request needs. The proxy's pipeline and the LiteLLM hook both use this module, so
+a session behaves the same behind either.
+
+Slot actions go only to an idle slot: llama-server parks a save/restore/erase while the slot processes a request
+and releases one parked call per finished request, so a call sent to a busy slot could hold up other clients.
+`wait_idle` asks `GET /slots` (`is_processing`) with a bounded wait; a server without /slots is acted on at once.
+
+Nothing here fails a request: a miss, a missing file, a refused call or a dead server leaves the slot as the server
+has it, and the request reads its prompt again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from .cache_files import CacheFolder, Limits
+from .llama import LlamaClient, SlotAction
+from .slots import Content
+
+log = logging.getLogger("lpcache.swap")
+
+IDLE_WAIT_SECONDS = 30.0   # how long a slot action waits for a slot busy with a request lpcache did not send
+IDLE_POLL_SECONDS = 0.25
+
+
+class Folders:
+    """The slot-save folder of one server as lpcache sees it (None: not visible), with the limits of each route."""
+
+    def __init__(self, path: str | None, limits_for: Callable[[str], Limits] = lambda tag: Limits()) -> None:
+        self.path = path
+        self.limits_for = limits_for
+
+    def of(self, name: str) -> CacheFolder | None:
+        """The route folder of a session file (`<tag>_<32 hex>.bin`); None for any other name."""
+        tag, sep, rest = name.rpartition("_")
+        if not sep or not rest.endswith(".bin"):
+            return None
+        folder = CacheFolder(self.path, tag, self.limits_for(tag))
+        return folder if folder.owns(name) else None
+
+
+@dataclass
+class Swap:
+    """What a swap did: the save of what the slot held, the restore of the wanted cache, and what the slot holds."""
+
+    held: Content | None
+    saved: SlotAction | None = None
+    restored: SlotAction | None = None
+    deleted: tuple[str, ...] = ()
+    waited_ms: float = 0.0
+    skipped: str | None = None   # why nothing was done: "resident", "busy"
+
+
+def describe(result: SlotAction) -> str:
+    """The figures llama-server gives for a slot call (it logs nothing itself): tokens, bytes, time."""
+    b = result.body
+    if not result.ok:
+        return f"failed status={result.status} reason={result.error!r}"
+    if "n_restored" in b:
+        return f"ok tokens={b.get('n_restored')} bytes={b.get('n_read')} ms={result.ms:.0f}"
+    if "n_saved" in b:
+        return f"ok tokens={b.get('n_saved')} bytes={b.get('n_written')} ms={result.ms:.0f}"
+    if "n_erased" in b:
+        return f"ok tokens_dropped={b.get('n_erased')}"
+    return "ok"
+
+
+async def wait_idle(client: LlamaClient, slot: int, model: str | None = None,
+                    limit: float | None = None) -> bool:
+    """Wait (bounded) until the server says the slot processes nothing. False when it stayed busy."""
+    deadline = time.monotonic() + (IDLE_WAIT_SECONDS if limit is None else limit)
+    while await client.slot_busy(slot, model):
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(IDLE_POLL_SECONDS)
+    return True
+
+
+async def save(client: LlamaClient, slot: int, content: Content, folders: Folders | None,
+               model: str | None = None, keep: frozenset[str] = frozenset()) -> tuple[SlotAction, tuple[str, ...]]:
+    """Save the slot under `content.key`; after a session's save, apply its route's limits (never deleting the
+    file just saved nor those in `keep`). Returns the server's answer and the files deleted."""
+    result = await client.slot_action(slot, "save", content.key, model=model)
+    log.info("slot_save url=%s slot=%d file=%s model=%s: %s", client.url, slot, content.key, model or "-",
+             describe(result))
+    deleted: tuple[str, ...] = ()
+    folder = folders.of(content.key) if folders is not None and result.ok else None
+    if folder is not None and folder.limits:
+        deleted = tuple(await asyncio.to_thread(folder.enforce, {content.key, *keep}))
+    return result, deleted
+
+
+async def bring_in(client: LlamaClient, slot: int, held: Content | None, want: Content, folders: Folders | None,
+                   model: str | None = None, idle_limit: float | None = None) -> Swap:
+    """Put the cache `want` (a session's) into the slot that holds `held`.
+
+    Nothing to do when the slot holds it already. Else: wait for the slot to be idle; save `held` under its own
+    name if it changed since its last save (an unknown or empty slot is never saved over a good file); restore
+    `want`'s file when there is one. Without a file the slot keeps what it holds: the server reuses whatever
+    prefix the new prompt shares with it (an erase would gain nothing, and an empty pinned slot would bypass the
+    server's RAM cache)."""
+    swap = Swap(held)
+    if held is not None and held.key == want.key:
+        swap.skipped = "resident"
+        return swap
+    started = time.perf_counter()
+    idle = await wait_idle(client, slot, model, idle_limit)
+    swap.waited_ms = (time.perf_counter() - started) * 1000.0
+    if not idle:
+        log.warning("slot_busy url=%s slot=%d: the slot stayed busy with a request lpcache did not send; no swap "
+                    "for %s (its prompt is read again)", client.url, slot, want.key)
+        swap.skipped = "busy"
+        return swap
+    if held is not None and held.dirty:
+        swap.saved, swap.deleted = await save(client, slot, held, folders, model, frozenset({want.key}))
+        if swap.saved.ok:
+            swap.held = replace(held, saved=True)
+    folder = folders.of(want.key) if folders is not None else None
+    if folder is not None and folder.has(want.key) is False:
+        log.info("slot_restore url=%s slot=%d file=%s model=%s: no file yet (first request of the session)",
+                 client.url, slot, want.key, model or "-")
+        return swap
+    swap.restored = await client.slot_action(slot, "restore", want.key, model=model)
+    log.info("slot_restore url=%s slot=%d file=%s model=%s: %s", client.url, slot, want.key, model or "-",
+             "miss" if swap.restored.status == 400 else describe(swap.restored))
+    if swap.restored.ok:
+        swap.held = replace(want, saved=True)
+        if folder is not None:
+            await asyncio.to_thread(folder.touch, want.key)
+    else:
+        swap.held = None   # a failed restore leaves the slot empty
+    return swap

@@ -1,0 +1,341 @@
+"""Session mode against the stand-in: X-Session-ID keys a slot's cache by route and session; lpcache swaps the
+session's file into a slot, saving what was there under its own name first. Save policies, limits per route, the
+idle check, the prompt comparison and /lpcache/sessions."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import httpx
+import pytest
+
+from lpcache.sessions import route_tag, session_filename
+
+from ..conftest import user, words
+from .conftest import mock_stats
+
+BIG = 200    # words: big with the test threshold of 50
+SMALL = 20
+S1, S2, S3 = "1" * 32, "2" * 32, "3" * 32
+ROUTE = "llama.cpp"   # the model of a request without one
+
+
+def sid(session: str) -> dict[str, str]:
+    return {"X-Session-ID": session}
+
+
+def files(slot_dir: str) -> list[str]:
+    return sorted(os.listdir(slot_dir))
+
+
+def name(session: str, route: str = ROUTE) -> str:
+    return session_filename(route, session)
+
+
+@pytest.fixture
+def one_slot(start_backend: Any) -> Any:
+    return start_backend(slots=1)
+
+
+def test_session_request_saves_under_route_and_session(start_proxy: Any, one_slot: Any, slot_dir: str) -> None:
+    proxy = start_proxy(one_slot)
+    r = proxy.push(user(words(1, BIG)), sid(S1))
+    assert r.status_code == 200
+    assert files(slot_dir) == [name(S1)]
+    assert name(S1).startswith("llama_cpp-" + route_tag(ROUTE)[-8:])
+    assert os.listdir(proxy.settings.meta_dir) == [] if os.path.isdir(proxy.settings.meta_dir) else True
+    assert proxy.records[-1].session == S1 and proxy.records[-1].saved is True
+
+
+def test_sessions_take_turns_on_one_slot(start_proxy: Any, one_slot: Any, slot_dir: str) -> None:
+    proxy = start_proxy(one_slot)
+    a, b = words(1, BIG), words(2, BIG)
+    proxy.push(user(a), sid(S1))
+    proxy.push(user(b), sid(S2))                    # S1's file is on disk already (eager): no save before
+    before = mock_stats(one_slot)
+    r = proxy.push(user(a + " and then"), sid(S1))
+    after = mock_stats(one_slot)
+    assert r.headers["x-lpcache-restored"] == "true" and r.headers["x-lpcache-cache-hit"] == "true"
+    assert after["restores"] - before["restores"] == 1
+    assert r.json()["timings"]["cache_n"] >= BIG      # the story came from the file, not a prefill
+    assert proxy.records[-1].swap_saved is None      # S2 was saved right after its request
+    assert files(slot_dir) == sorted([name(S1), name(S2)])
+
+
+def test_session_in_its_idle_slot_needs_no_slot_action(start_proxy: Any, start_backend: Any) -> None:
+    backend = start_backend(slots=2)
+    proxy = start_proxy(backend)
+    a = words(1, BIG)
+    proxy.push(user(a), sid(S1))
+    proxy.push(user(words(2, BIG)), sid(S2))
+    before = mock_stats(backend)
+    r = proxy.push(user(a + " more"), sid(S1))
+    after = mock_stats(backend)
+    assert r.headers["x-lpcache-restored"] == "false" and r.headers["x-lpcache-cache-hit"] == "true"
+    assert after["restores"] == before["restores"] and after["erases"] == before["erases"]
+    assert after["saves"] == before["saves"] + 1          # only the eager save after the request
+    assert r.json()["timings"]["cache_n"] >= BIG
+
+
+def test_small_session_cache_is_saved_when_swapped_out(start_proxy: Any, one_slot: Any, slot_dir: str) -> None:
+    proxy = start_proxy(one_slot)
+    a = words(1, SMALL)
+    proxy.push(user(a), sid(S1))
+    assert files(slot_dir) == []                          # small: not saved after the request
+    proxy.push(user(words(2, SMALL)), sid(S2))
+    assert proxy.records[-1].swap_saved is True           # S1 saved under its name before S2 took the slot
+    assert files(slot_dir) == [name(S1)]
+    r = proxy.push(user(a + " again"), sid(S1))
+    assert r.headers["x-lpcache-restored"] == "true"
+    assert files(slot_dir) == sorted([name(S1), name(S2)])
+
+
+def test_unknown_slot_is_never_saved_over_a_good_file(start_proxy: Any, one_slot: Any, slot_dir: str) -> None:
+    first = start_proxy(one_slot)
+    a = words(1, BIG)
+    first.push(user(a), sid(S1))
+    size = os.path.getsize(os.path.join(slot_dir, name(S1)))
+    first.stop()
+    # A new lpcache does not know what the slot holds: it saves nothing, it restores S1's file over the slot.
+    proxy = start_proxy(one_slot)
+    before = mock_stats(one_slot)
+    r = proxy.push(user(a + " after a restart"), sid(S1))
+    after = mock_stats(one_slot)
+    assert r.headers["x-lpcache-restored"] == "true"
+    assert after["saves"] - before["saves"] == 1          # the eager save after the request, nothing before it
+    assert proxy.records[-1].swap_saved is None
+    assert os.path.getsize(os.path.join(slot_dir, name(S1))) >= size
+
+
+@pytest.mark.parametrize("header", ["../" * 10 + "etc", "A" * 32, "1" * 33, "1" * 31, "", "12345678-1234-1234-1234",
+                                    "g" * 32, "1" * 31 + "/", "..%2F" + "1" * 27])
+def test_bad_session_header_falls_back_to_prefix_mode(start_proxy: Any, one_slot: Any, slot_dir: str,
+                                                      header: str) -> None:
+    proxy = start_proxy(one_slot)
+    r = proxy.push(user(words(1, BIG)), {"X-Session-ID": header})
+    assert r.status_code == 200
+    assert proxy.records[-1].session is None
+    [saved] = files(slot_dir)
+    assert saved == proxy.records[-1].key                 # the prefix-mode key, nothing from the header
+    assert header not in saved or header == ""
+    assert proxy.client.get("/lpcache/sessions").json()["data"] == []
+
+
+def test_evict_policy_saves_only_when_the_slot_is_needed(start_proxy: Any, one_slot: Any, slot_dir: str) -> None:
+    proxy = start_proxy(one_slot, save_policy="evict")
+    a = words(1, BIG)
+    proxy.push(user(a), sid(S1))
+    assert files(slot_dir) == [] and mock_stats(one_slot)["saves"] == 0
+    proxy.push(user(a + " next"), sid(S1))                # same session: still no save
+    assert files(slot_dir) == []
+    proxy.push(user(words(2, BIG)), sid(S2))               # S2 needs the slot: S1 is saved first
+    assert files(slot_dir) == [name(S1)] and proxy.records[-1].swap_saved is True
+    r = proxy.push(user(a + " next and more"), sid(S1))
+    assert r.headers["x-lpcache-restored"] == "true"
+    assert files(slot_dir) == sorted([name(S1), name(S2)])
+    assert mock_stats(one_slot)["saves"] == 2
+
+
+def test_evict_policy_in_prefix_mode(start_proxy: Any, one_slot: Any, slot_dir: str) -> None:
+    proxy = start_proxy(one_slot, save_policy="evict")
+    a = words(1, BIG)
+    proxy.push(user(a))
+    assert files(slot_dir) == []
+    proxy.push(user(a + " grows"))                         # extends what the slot holds: nothing to save
+    assert files(slot_dir) == []
+    proxy.push(user(words(2, BIG)))                        # would overwrite it: saved first, with its meta file
+    assert len(files(slot_dir)) == 1 and proxy.records[-1].swap_saved is True
+    assert len(proxy.pipeline.index) == 1
+    r = proxy.push(user(a + " grows again"))
+    assert r.headers["x-lpcache-restored"] == "true"       # B was saved before the restore replaced it
+    assert len(files(slot_dir)) == 2
+
+
+def test_evict_policy_saves_on_idle_and_a_request_restarts_the_wait(start_proxy: Any, one_slot: Any,
+                                                                    slot_dir: str) -> None:
+    proxy = start_proxy(one_slot, save_policy="evict", save_idle_seconds=0.3)
+    a = words(1, BIG)
+    proxy.push(user(a), sid(S1))
+    [slot] = proxy.pipeline.pool.slots
+    first = proxy.pipeline.idle_saves[slot]
+    proxy.push(user(a + " more"), sid(S1))                 # a request cancels the pending idle save
+    assert first.cancelled() or first.done() and files(slot_dir) == []
+    second = proxy.pipeline.idle_saves[slot]
+    assert second is not first
+    proxy.run(_wait(second))
+    assert files(slot_dir) == [name(S1)]
+    assert proxy.pipeline.background.saves_ok == 1 and slot.content is not None and slot.content.saved
+    assert not slot.busy
+    # Already on disk: the next swap does not write it again.
+    saves = mock_stats(one_slot)["saves"]
+    proxy.push(user(words(2, BIG)), sid(S2))
+    assert mock_stats(one_slot)["saves"] == saves and proxy.records[-1].swap_saved is None
+
+
+async def _wait(task: Any) -> None:
+    import asyncio
+
+    await asyncio.wait([task])
+
+
+def test_evict_policy_saves_at_shutdown(start_proxy: Any, one_slot: Any, slot_dir: str) -> None:
+    proxy = start_proxy(one_slot, save_policy="evict")
+    proxy.push(user(words(1, BIG)), sid(S1))
+    assert files(slot_dir) == []
+    proxy.stop()
+    assert files(slot_dir) == [name(S1)]
+
+
+def test_eager_and_evict_compute_the_same_tokens_and_evict_writes_less(start_proxy: Any, start_backend: Any,
+                                                                       tmp_path: Any) -> None:
+    written = {}
+    computed = {}
+    for policy in ("eager", "evict"):
+        folder = os.path.join(tmp_path, policy)
+        os.makedirs(folder)
+        backend = start_backend(slots=1, slot_save_path=folder)
+        proxy = start_proxy(backend, save_policy=policy)
+        stories = {s: words(i, BIG) for i, s in enumerate((S1, S2, S3))}
+        for turn in range(3):
+            for s, text in stories.items():
+                stories[s] = text + " " + words(100 + turn, 15)
+                proxy.push(user(stories[s]), sid(s))
+        written[policy] = sum((r.save_bytes or 0) + (r.swap_save_bytes or 0) for r in proxy.records)
+        computed[policy] = mock_stats(backend)["prompt_tokens_computed"]
+        proxy.stop()
+        backend.stop()
+    print(f"\nsession workload, 3 sessions x 3 turns on one slot: bytes written eager={written['eager']} "
+          f"evict={written['evict']}; tokens computed eager={computed['eager']} evict={computed['evict']}")
+    assert computed["eager"] == computed["evict"]
+    assert 0 < written["evict"] < written["eager"]
+
+
+def test_limits_keep_two_files_per_route_and_spare_the_rest(start_proxy: Any, one_slot: Any,
+                                                           slot_dir: str) -> None:
+    other = session_filename("other-model", S1)
+    for foreign in (other, "notes.txt", "a" * 64):
+        with open(os.path.join(slot_dir, foreign), "wb") as f:
+            f.write(b"x" * 10)
+    proxy = start_proxy(one_slot, max_files=2)
+    stories = {s: words(i, BIG) for i, s in enumerate((S1, S2, S3))}
+    for turn in range(2):
+        for s, text in stories.items():
+            stories[s] = text + f" turn {turn}"
+            r = proxy.push(user(stories[s]), sid(s))
+            assert r.status_code == 200
+            mine = [f for f in files(slot_dir) if f.startswith(route_tag(ROUTE))]
+            assert len(mine) <= 2
+            assert name(s) in mine                            # never the one just saved
+            if turn == 1:
+                assert r.headers["x-lpcache-restored"] in ("true", "false")
+    assert sorted(f for f in files(slot_dir) if not f.startswith(route_tag(ROUTE))) == sorted(
+        [other, "notes.txt", "a" * 64])
+
+
+def test_limits_never_delete_the_file_being_restored(start_proxy: Any, one_slot: Any, slot_dir: str) -> None:
+    proxy = start_proxy(one_slot, max_files=1)
+    a, b = words(1, SMALL), words(2, SMALL)                 # small: saved only when swapped out
+    proxy.push(user(a), sid(S1))
+    proxy.push(user(b), sid(S2))                          # saves S1 (S2 has no file yet)
+    assert files(slot_dir) == [name(S1)]
+    r = proxy.push(user(a + " back"), sid(S1))            # saves S2: over the limit, but S1 is about to be restored
+    assert r.headers["x-lpcache-restored"] == "true"
+    assert proxy.records[-1].swap_saved is True
+    assert files(slot_dir) == sorted([name(S1), name(S2)])  # two sessions in turn keep two files, whatever the limit
+    proxy.push(user(words(3, SMALL)), sid(S3))            # saves S1; S2 (used longest ago, not wanted) goes
+    assert files(slot_dir) == [name(S1)]
+
+
+def test_prompt_comparison_is_logged_and_served(start_proxy: Any, one_slot: Any,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    proxy = start_proxy(one_slot)
+    system = {"role": "system", "content": "You write stories."}
+    story = words(1, BIG)
+    first = [system, {"role": "user", "content": story}]
+    proxy.push(first, sid(S1))
+    assert proxy.client.get(f"/lpcache/sessions/{S1}/compare").status_code == 404   # one request: nothing yet
+    second = [system, {"role": "user", "content": story[:300] + " a changed ending"}]
+    with caplog.at_level("INFO", logger="lpcache.pipeline"):
+        proxy.push(second, sid(S1))
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("session_prompt")]
+    assert name(S1) in line and "2 messages, the previous prompt had 2: the first 1 are the same" in line
+    assert "message 1 (role user) is the same for its first 300 of 317 characters" in line
+    doc = proxy.client.get(f"/lpcache/sessions/{S1}/compare").json()
+    assert doc["session"] == S1 and doc["route"] == ROUTE and doc["requests"] == 2
+    c = doc["comparison"]
+    assert (c["message"], c["role"], c["same"]) == (1, "user", False)
+    assert c["shared_chars"] == len(system["content"]) + 300
+    assert c["last_shared_chars"] == 300 and c["message_shared_chars"] == 300 and c["message_chars"] == 317
+    listing = proxy.client.get("/lpcache/sessions").json()["data"]
+    [entry] = listing
+    assert entry["session"] == S1 and entry["route"] == ROUTE and entry["file"] == name(S1)
+    assert entry["requests"] == 2 and entry["cache_hits"] == 1 and entry["file_bytes"] > 0
+    assert entry["slot"]["id"] == 0 and entry["slot"]["busy"] is False
+
+
+def test_session_endpoints_errors_and_keys(start_proxy: Any, one_slot: Any) -> None:
+    proxy = start_proxy(one_slot, api_keys=("k1",))
+    assert proxy.client.get("/lpcache/sessions").status_code == 401
+    ok = {"Authorization": "Bearer k1"}
+    assert proxy.client.get("/lpcache/sessions", headers=ok).json() == {"object": "list", "data": []}
+    bad = proxy.client.get("/lpcache/sessions/..%2F..%2Fetc/compare", headers=ok)
+    assert bad.status_code in (400, 404) and "error" in bad.json()
+    upper = proxy.client.get(f"/lpcache/sessions/{'A' * 32}/compare", headers=ok)
+    assert upper.status_code == 400 and upper.json()["error"]["code"] == "invalid_session_id"
+    missing = proxy.client.get(f"/lpcache/sessions/{S2}/compare", headers=ok)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "session_not_found"
+
+
+def test_two_models_never_share_a_file(start_proxy: Any, one_slot: Any, slot_dir: str) -> None:
+    proxy = start_proxy(one_slot)
+    text = words(1, BIG)
+    proxy.push(user(text), sid(S1), model="qwen")
+    r = proxy.push(user(text), sid(S1), model="openai/org/gemma")
+    assert r.headers["x-lpcache-restored"] == "false"     # the other model's file is not this one's
+    assert files(slot_dir) == sorted([name(S1, "qwen"), name(S1, "org/gemma")])
+
+
+def test_failed_restore_only_costs_a_prefill(start_proxy: Any, one_slot: Any, slot_dir: str) -> None:
+    proxy = start_proxy(one_slot)
+    a = words(1, BIG)
+    proxy.push(user(a), sid(S1))
+    proxy.push(user(words(2, BIG)), sid(S2))
+    with open(os.path.join(slot_dir, name(S1)), "wb") as f:
+        f.write(b"not a slot file")
+    r = proxy.push(user(a + " more"), sid(S1))
+    assert r.status_code == 200 and r.headers["x-lpcache-restored"] == "false"
+    assert r.json()["timings"]["cache_n"] == 0                # the server emptied the slot: a full prefill
+    assert proxy.records[-1].restored is False
+    assert proxy.busy_slots() == []
+
+
+def test_slot_busy_with_a_foreign_request_is_waited_for(start_proxy: Any, start_backend: Any) -> None:
+    backend = start_backend(slots=1, gen_ms_per_token=20)
+    proxy = start_proxy(backend)
+    proxy.push(user(words(1, SMALL)), sid(S1))
+    # Another client uses the server directly: slot 0 generates for about a second.
+    done = threading.Event()
+
+    def foreign() -> None:
+        httpx.post(f"{backend.url}/v1/chat/completions", timeout=30, json={
+            "messages": user("direct"), "max_tokens": 50, "id_slot": 0})
+        done.set()
+
+    thread = threading.Thread(target=foreign)
+    thread.start()
+    _until(lambda: any(s.get("is_processing") for s in httpx.get(f"{backend.url}/slots").json()))
+    r = proxy.push(user(words(2, SMALL)), sid(S2))        # a swap: save S1 (changed, small), then S2's request
+    thread.join()
+    assert r.status_code == 200 and done.is_set()
+    assert proxy.records[-1].swap_saved is True
+    assert mock_stats(backend)["slot_actions_while_busy"] == 0   # the save was sent only once the slot was idle
+
+
+def _until(condition: Any, timeout: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
