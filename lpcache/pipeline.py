@@ -35,6 +35,7 @@ from .record import Observer, RequestRecord
 from .relay import ClientWatch, FollowerRelay, JsonRelay, ServedRelay, SseRelay
 from .sessions import SessionBook, route_name, session_filename, session_id
 from .slots import Choice, Content, Slot, SlotPool, worth_waiting_for
+from .speeds import Speeds
 
 log = logging.getLogger("lpcache.pipeline")
 
@@ -95,6 +96,7 @@ class Pipeline:
         self.folders = [swap.Folders(b.config.slot_save_path, self._limits(b)) for b in self.backends]
         self.idle_saves: dict[Slot, asyncio.Task[None]] = {}
         self.background = BackgroundSaves()
+        self.speeds: dict[tuple[int, str], Speeds] = {}
 
     def _limits(self, backend: Backend) -> Callable[[str], Limits]:
         c, s = backend.config, self.settings
@@ -292,22 +294,48 @@ class Pipeline:
         if want is not None:
             await self.swap_session(choice, backend, prompt, want, record)
             return
+        restoring = choice.restore is not None and self.restore_pays(
+            backend, prompt.model, len(choice.restore.entry.chain), choice.restore.shared, record)
         held = slot.content
         if held is not None and held.dirty and (
-                choice.restore is not None or common_prefix(held.chain, prompt.chain) < len(held.chain)):
+                restoring or common_prefix(held.chain, prompt.chain) < len(held.chain)):
             model = self.slot_model(backend, prompt.model)
             if await swap.wait_idle(backend.client, slot.id, model):
                 result, _ = await swap.save(backend.client, slot.id, held, self.folders[backend.index], model)
                 self.saved_held(backend, slot, held, result, record)
-        if choice.restore is not None:
+        if restoring:
             await self.restore(choice, record)
+
+    def speeds_of(self, backend: Backend, model: str) -> Speeds:
+        key = (backend.index, model)
+        speeds = self.speeds.get(key)
+        if speeds is None:
+            speeds = self.speeds[key] = Speeds.new()
+        return speeds
+
+    def restore_pays(self, backend: Backend, model: str, file_blocks: int, reused_blocks: int,
+                     record: RequestRecord) -> bool:
+        """Whether restoring a file holding `file_blocks` blocks beats prefilling the `reused_blocks` it spares,
+        at this backend's measured speeds (blocks stand for tokens: the same factor on both sides)."""
+        speeds = self.speeds_of(backend, model)
+        if speeds.restore_pays(file_blocks, reused_blocks):
+            return True
+        record.restore_skipped = True
+        log.info("restore_skipped backend=%s model=%s file_blocks=%d reused_blocks=%d %s: the prefill is faster",
+                 backend.url, model, file_blocks, reused_blocks,
+                 " ".join(f"{k}={v:.3f}" for k, v in speeds.describe().items() if v is not None))
+        return False
 
     async def swap_session(self, choice: Choice, backend: Backend, prompt: Prompt, want: Content,
                            record: RequestRecord) -> None:
         slot = choice.slot
         info = self.sessions.get(want.key)
+        restore = True
+        if info is not None and info.saved_chain and (slot.content is None or slot.content.key != want.key):
+            restore = self.restore_pays(backend, prompt.model, len(info.saved_chain),
+                                        common_prefix(info.saved_chain, prompt.chain), record)
         result = await swap.bring_in(backend.client, slot.id, slot.content, want, self.folders[backend.index],
-                                     self.slot_model(backend, prompt.model))
+                                     self.slot_model(backend, prompt.model), restore=restore)
         if result.saved is not None and slot.content is not None:
             self.saved_held(backend, slot, slot.content, result.saved, record)
         slot.content = result.held
@@ -318,8 +346,10 @@ class Pipeline:
             record.restored_tokens = _int_or_none(restored.body.get("n_restored"))
             if info is not None and info.saved_chain and prompt.chain:
                 record.restore_share = common_prefix(info.saved_chain, prompt.chain) / len(prompt.chain)
-            if restored.ok and info is not None:
-                info.restores += 1
+            if restored.ok:
+                self.speeds_of(backend, prompt.model).restore.add(restored.ms, record.restored_tokens or 0)
+                if info is not None:
+                    info.restores += 1
         hit = result.skipped == "resident" or bool(restored is not None and restored.ok)
         record.cache_hit = hit
         if info is not None and hit:
@@ -415,7 +445,8 @@ class Pipeline:
                  str(result.ok).lower(), result.body.get("n_restored"), result.ms,
                  "" if result.ok else f" reason={result.error!r}")
         if result.ok:
-            slot.content = Content(entry.key, entry.chain, saved=True)
+            self.speeds_of(self.backends[slot.backend], entry.model).restore.add(result.ms, record.restored_tokens or 0)
+            slot.content = Content(entry.key, entry.chain, saved=True, keep=True, model=entry.model)
             self.spawn(self.index.touch(entry.key))  # the file's timestamp is rewritten off the request's path
         else:
             slot.content = None
@@ -429,6 +460,8 @@ class Pipeline:
         content: Content | None = (replace(want, chain=prompt.chain) if want is not None
                                    else Content(prompt.key, prompt.chain, keep=big, prompt=prompt,
                                                 model=prompt.model))
+        if record.prefill_ms is not None and record.prompt_n:
+            self.speeds_of(backend, prompt.model).prefill.add(record.prefill_ms, record.prompt_n)
         try:
             self.check_reuse(backend, prompt.model, record)
             if big and self.settings.save_policy == "eager" and self.kv_enabled(backend, prompt.model):

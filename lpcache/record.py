@@ -52,6 +52,7 @@ class RequestRecord:
     restored_tokens: int | None = None # tokens the restore put in the slot
     restore_share: float | None = None # share of the prompt's blocks the restored cache held
     restore_reused: bool | None = None # False: the server re-computed the prompt anyway (see Pipeline.check_reuse)
+    restore_skipped: bool | None = None  # True: a prefill was faster at this backend's speeds (lpcache.speeds)
     saved: bool | None = None
     save_ms: float | None = None
     save_bytes: int | None = None      # written by the server to the slot file

@@ -53,7 +53,7 @@ class Swap:
     restored: SlotAction | None = None
     deleted: tuple[str, ...] = ()
     waited_ms: float = 0.0
-    skipped: str | None = None   # why nothing was done: "resident", "busy"
+    skipped: str | None = None   # why no restore: "resident", "busy", "prefill_faster"
 
 
 def describe(result: SlotAction) -> str:
@@ -96,14 +96,14 @@ async def save(client: LlamaClient, slot: int, content: Content, folders: Folder
 
 
 async def bring_in(client: LlamaClient, slot: int, held: Content | None, want: Content, folders: Folders | None,
-                   model: str | None = None, idle_limit: float | None = None) -> Swap:
+                   model: str | None = None, idle_limit: float | None = None, restore: bool = True) -> Swap:
     """Put the cache `want` (a session's) into the slot that holds `held`.
 
     Nothing to do when the slot holds it already. Else: wait for the slot to be idle; save `held` under its own
     name if it changed since its last save (an unknown or empty slot is never saved over a good file); restore
     `want`'s file when there is one. Without a file the slot keeps what it holds: the server reuses whatever
     prefix the new prompt shares with it (an erase would gain nothing, and an empty pinned slot would bypass the
-    server's RAM cache)."""
+    server's RAM cache). `restore` False: the caller found a prefill faster than the restore."""
     swap = Swap(held)
     if held is not None and held.key == want.key:
         swap.skipped = "resident"
@@ -120,6 +120,9 @@ async def bring_in(client: LlamaClient, slot: int, held: Content | None, want: C
         swap.saved, swap.deleted = await save(client, slot, held, folders, model, frozenset({want.key}))
         if swap.saved.ok:
             swap.held = replace(held, saved=True)
+    if not restore:
+        swap.skipped = "prefill_faster"
+        return swap
     folder = folders.of(want.key) if folders is not None else None
     if folder is not None and folder.has(want.key) is False:
         log.info("slot_restore url=%s slot=%d file=%s model=%s: no file yet (first request of the session)",

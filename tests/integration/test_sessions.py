@@ -339,3 +339,21 @@ def _until(condition: Any, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, "condition not reached"
+
+
+@pytest.mark.parametrize(("prefill_ms_per_token", "restored"), [(0.0001, False), (5.0, True)])
+def test_restore_only_when_it_beats_the_prefill(start_proxy: Any, start_backend: Any, prefill_ms_per_token: float,
+                                                restored: bool) -> None:
+    backend = start_backend(slots=1, prefill_ms_per_token=prefill_ms_per_token)
+    proxy = start_proxy(backend)
+    stories = {s: words(i, BIG) for i, s in enumerate((S1, S2))}
+    for turn in range(3):
+        for s in (S1, S2):
+            stories[s] += f" turn {turn}"
+            proxy.push(user(stories[s]), sid(s))
+    later = proxy.records[2:]                           # each had a file to restore
+    assert proxy.records[2].restored is True            # the first restore: speeds not known yet
+    speeds = proxy.pipeline.speeds[(0, ROUTE)]
+    assert speeds.prefill.ms_per_token is not None and speeds.restore.ms_per_token is not None
+    assert all(bool(r.restored) == restored for r in later[1:])
+    assert all(bool(r.restore_skipped) != restored for r in later[1:])
