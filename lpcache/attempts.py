@@ -25,6 +25,7 @@ from .plugins.base import Answer, ChatRequest
 from .prefix import Prompt
 from .record import RequestRecord
 from .relay import Headers
+from .sessions import route_name
 from .slots import Choice, Content, Slot
 
 if TYPE_CHECKING:
@@ -133,10 +134,13 @@ class Attempts:
         """Slots this request may take: not failed for it, on a backend whose breaker lets requests through (or,
         when no untried backend does, on any untried backend: trying beats refusing)."""
         backends = self.p.backends
+        route = route_name(self.prompt.model)
 
         def ok(slot: Slot) -> bool:
             if slot in self.failed or slot.backend in self.excluded:
                 return False
+            if slot.model is not None and slot.model != route:
+                return False   # a router's slot of another model
             if backends[slot.backend].available():
                 return True
             return not any(b.available() for b in backends if b.index not in self.excluded)
@@ -145,6 +149,7 @@ class Attempts:
 
     async def _once(self) -> aiohttp.ClientResponse:
         self.sent = False
+        await self.p.model_slots(self.prompt.model)
         choice = await self.p.take_slot(self.prompt, self.candidate, self.record, self.allowed(), self.want)
         backend = self.p.backends[choice.slot.backend]
         self.choice, self.backend = choice, backend

@@ -4,6 +4,10 @@ A backend given without `n_slots` is asked for it (`GET /props`, `total_slots`) 
 is marked down (its breaker open) and lpcache starts anyway; the prober asks again after each cooldown, and the
 backend serves once it answers.
 
+A llama-server router (`/props` says `role: router`, or `"router": true` in BACKENDS) holds many models, each an
+instance with its own slots: its slots are made per model when a request first names it, and lpcache follows
+which models it holds (least recently used first) to save the slots of the one it is about to unload.
+
 Each backend has a circuit breaker. A failure (connection refused or reset, timeout, 5xx) opens it for a cooldown
 that doubles with each failure in a row (BREAKER_COOLDOWN_MS up to BREAKER_MAX_COOLDOWN_MS). After the cooldown the
 backend is half-open: one request (or the prober's GET /health) is let through as a probe; success closes the
@@ -13,6 +17,7 @@ breaker and resets the backoff, failure opens it again for longer.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -22,7 +27,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from .config import BackendConfig, Settings
-from .errors import ProxyError
+from .errors import BackendError, ProxyError
 from .llama import LlamaClient
 from .plugins.registry import backend_client
 from .slots import Slot
@@ -88,6 +93,9 @@ class Backend:
     breaker: Breaker = field(default_factory=Breaker)
     slots_known: bool = True   # False while n_slots is the N_SLOTS fallback of a server that did not answer
     router: bool = False       # a llama-server router: slots belong to a model's instance (BACKENDS or /props)
+    models: collections.OrderedDict[str, None] = field(default_factory=collections.OrderedDict)  # router: loaded
+    model_slots: dict[str, int] = field(default_factory=dict)  # router: slots made per model
+    slots_guessed: set[str] = field(default_factory=set)        # router: models whose count is N_SLOTS for now
 
     @property
     def url(self) -> str:
@@ -98,8 +106,42 @@ class Backend:
         return self.config.kv_cache
 
     def slots(self, start: int = 0) -> list[Slot]:
+        """The slots of a single-model server (a router has none until a model is asked for)."""
+        if self.router:
+            return []
         return [Slot(self.index, i, self.config.kv_cache, self.config.slot_save_path, self.url)
                 for i in range(start, self.n_slots)]
+
+    def slots_for(self, model: str, n: int) -> list[Slot]:
+        """A router's slots of one model, beyond those made already."""
+        start = self.model_slots.get(model, 0)
+        self.model_slots[model] = max(start, n)
+        return [Slot(self.index, i, self.config.kv_cache, self.config.slot_save_path, self.url, model=model)
+                for i in range(start, n)]
+
+    async def discover(self) -> None:
+        """Router or not, and the slot count: from GET /props (a router answers `role: router`)."""
+        if self.config.router is False and self.slots_known:
+            await self.client.get_json("/health")
+            return
+        try:
+            props = await self.client.props()
+        except BackendError:
+            if self.config.router or not self.slots_known:
+                raise
+            await self.client.get_json("/health")   # a server without /props, its slot count given
+            return
+        if self.config.router or props.get("role") == "router":
+            if not self.router:
+                log.info("backend_router url=%s: a llama-server router; slots are made per model", self.url)
+            self.router, self.slots_known = True, True
+            return
+        n = props.get("total_slots")
+        if not self.slots_known:
+            if not isinstance(n, int) or n < 1:
+                raise BackendError("/props has no total_slots", status=502)
+            self.n_slots, self.slots_known = n, True
+            log.info("backend_slots url=%s total_slots=%d (from /props)", self.url, self.n_slots)
 
     def available(self, now: float | None = None) -> bool:
         return self.breaker.available(time.monotonic() if now is None else now)
@@ -127,11 +169,7 @@ async def start_backends(settings: Settings, session: aiohttp.ClientSession) -> 
                           Breaker(settings.breaker_cooldown_ms / 1000.0, settings.breaker_max_cooldown_ms / 1000.0),
                           slots_known=config.n_slots is not None)
         try:
-            if backend.slots_known:
-                await client.get_json("/health")
-            else:
-                backend.n_slots, backend.slots_known = await client.total_slots(), True
-                log.info("backend_slots url=%s total_slots=%d (from /props)", config.url, backend.n_slots)
+            await backend.discover()
         except ProxyError as e:
             log.warning("backend_unavailable_at_start url=%s reason=%s: lpcache starts anyway and probes it%s",
                         config.url, e.message, "" if backend.slots_known else
@@ -172,13 +210,10 @@ class Prober:
     async def probe(self, backend: Backend) -> bool:
         backend.breaker.claim(time.monotonic())
         try:
-            if backend.slots_known:
-                await backend.client.get_json("/health")
-            else:
-                old = backend.n_slots
-                backend.n_slots, backend.slots_known = await backend.client.total_slots(), True
-                log.info("backend_slots url=%s total_slots=%d (from /props)", backend.url, backend.n_slots)
-                self.on_slots(backend, old)
+            known, old = backend.slots_known, backend.n_slots
+            await backend.discover()
+            if not known:
+                self.on_slots(backend, 0 if backend.router else old)
         except ProxyError as e:
             backend.failed(f"probe: {e.message}")
             return False

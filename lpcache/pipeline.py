@@ -283,11 +283,77 @@ class Pipeline:
         """The model slot calls must name: on a router, the request's model (without LiteLLM's `openai/`)."""
         return route_name(model) if backend.router else None
 
+    # ---- routers: slots per model, and the model about to be unloaded ----
+
+    async def model_slots(self, model: str) -> None:
+        """The first request naming a model makes that model's slots on every router backend: as many as BACKENDS
+        says, else as the model's instance reports (when it is loaded), else N_SLOTS."""
+        route = route_name(model)
+        for b in self.backends:
+            if not b.router or route in b.model_slots:
+                continue
+            n = b.config.n_slots or await self.instance_slots(b, route)
+            if n is None:
+                b.slots_guessed.add(route)   # not loaded yet: asked again once a request has loaded it
+            self.pool.add(b.slots_for(route, n or self.settings.n_slots))
+
+    async def instance_slots(self, backend: Backend, route: str) -> int | None:
+        """The slot count of a router's model instance, without loading it (None when it is not loaded)."""
+        try:
+            total = (await backend.client.props(route)).get("total_slots")
+        except ProxyError:
+            return None
+        return total if isinstance(total, int) and total > 0 else None
+
+    async def recount_slots(self, backend: Backend, route: str) -> None:
+        n = await self.instance_slots(backend, route)
+        if n is not None and route in backend.slots_guessed:
+            backend.slots_guessed.discard(route)
+            self.pool.add(backend.slots_for(route, n))
+            log.info("router_model_slots backend=%s model=%s slots=%d", backend.url, route, n)
+
+    async def make_room(self, backend: Backend, model: str) -> None:
+        """A request for a model the router does not hold makes it unload the one used longest ago (beyond its
+        --models-max), and that model's slots are gone with it: save them first. The router counts every POST
+        as a use, our saves too, so a model whose slots were just saved moves to the young end, and the one it
+        will unload is the oldest with nothing left to save."""
+        if not backend.router:
+            return
+        route = route_name(model)
+        limit = self.settings.models_max if backend.config.models_max is None else backend.config.models_max
+        models = backend.models
+        new = route not in models
+        models[route] = None
+        models.move_to_end(route)
+        if not new or not limit:
+            return
+        while len(models) > limit:
+            busy = {s.model for s in self.pool.slots if s.backend == backend.index and s.busy}
+            victim = next((m for m in models if m != route and m not in busy), None)
+            if victim is None:
+                return  # every other model has a request in flight: the router unloads none of them
+            slots = [s for s in self.pool.slots if s.backend == backend.index and s.model == victim]
+            dirty = [s for s in slots if s.content is not None and s.content.dirty]
+            if dirty and self.kv_enabled(backend, victim):
+                log.info("router_unload_ahead backend=%s model=%s for=%s: saving %d slot(s) first", backend.url,
+                         victim, route, len(dirty))
+                for slot in dirty:
+                    if not await self.save_idle_slot(slot, backend, "unload", force=True):
+                        slot.content = None   # could not save it: what the router unloads is lost
+                models.move_to_end(victim)    # the router saw the saves as uses
+                models.move_to_end(route)
+                continue
+            del models[victim]
+            for slot in slots:
+                slot.content = None           # the instance and its slots go; a reload starts empty
+            log.info("router_unloads backend=%s model=%s for=%s", backend.url, victim, route)
+
     async def prepare(self, choice: Choice, backend: Backend, prompt: Prompt, want: Content | None,
                       record: RequestRecord) -> None:
         """Make the slot hold the best cache for the request before it is sent: in session mode swap the session
         in; in prefix mode restore the chosen saved cache. Either way, what the slot holds is saved first when it
         is worth keeping, unsaved (SAVE_POLICY=evict, or a small session request) and about to be replaced."""
+        await self.make_room(backend, prompt.model)
         if not self.kv_enabled(backend, prompt.model):
             return
         slot = choice.slot
@@ -398,14 +464,14 @@ class Pipeline:
             del self.idle_saves[slot]
         await self.save_idle_slot(slot, backend, "idle")
 
-    async def save_idle_slot(self, slot: Slot, backend: Backend, why: str) -> bool:
+    async def save_idle_slot(self, slot: Slot, backend: Backend, why: str, force: bool = False) -> bool:
         """Save an idle slot's unsaved cache under its own name, holding the slot meanwhile (outside a request:
         idle, shutdown, a router about to unload the model). False when there was nothing to do or the slot was
         taken."""
         held = slot.content
         if held is None or not held.dirty or not self.kv_enabled(backend, held.model):
             return False
-        if not self.pool.take_idle(slot):
+        if not self.pool.take_idle(slot, force):
             return False
         try:
             slot_model = self.slot_model(backend, held.model)
@@ -462,6 +528,8 @@ class Pipeline:
                                                 model=prompt.model))
         if record.prefill_ms is not None and record.prompt_n:
             self.speeds_of(backend, prompt.model).prefill.add(record.prefill_ms, record.prompt_n)
+        if backend.router and route_name(prompt.model) in backend.slots_guessed:
+            self.spawn(self.recount_slots(backend, route_name(prompt.model)))
         try:
             self.check_reuse(backend, prompt.model, record)
             if big and self.settings.save_policy == "eager" and self.kv_enabled(backend, prompt.model):

@@ -209,9 +209,10 @@ class SlotPool:
             slot.content = content if isinstance(content, Content) else None
         self.wake()
 
-    def take_idle(self, slot: Slot) -> bool:
-        """Take this slot for lpcache's own work (an idle save) when it is idle and no request waits for a slot."""
-        if slot.busy or self._waiters:
+    def take_idle(self, slot: Slot, force: bool = False) -> bool:
+        """Take this slot for lpcache's own work (an idle save) when it is idle and no request waits for a slot
+        (`force`: even then, for a save that cannot wait)."""
+        if slot.busy or (self._waiters and not force):
             return False
         slot.busy = True
         return True

@@ -4,6 +4,8 @@ It follows the reference contract where a proxy can observe it (slots, prefix re
 save/restore/erase, error shapes, SSE framing) with a toy tokenizer and a fake model
 that answers deterministically. Test hooks under ``/mock/`` expose counters and
 inject faults. Run it with ``python -m lpcache.mock_llama PORT MODEL [options]``.
+``MockConfig(router=True, models=(...))`` (``--router --models a,b``) imitates router mode:
+one child per model, loaded on demand (see ``router``).
 """
 
 from .config import MockConfig

@@ -1,4 +1,8 @@
-"""``python -m lpcache.mock_llama PORT MODEL [options]``: serve a stand-in llama-server."""
+"""``python -m lpcache.mock_llama PORT MODEL [options]``: serve a stand-in llama-server.
+
+``python -m lpcache.mock_llama PORT --router --models a,b [--models-max N] [--no-models-autoload]``
+serves a router instead, one child per model (MODEL is then unused).
+"""
 
 from __future__ import annotations
 
@@ -15,7 +19,8 @@ from .server import create_app
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m lpcache.mock_llama", description=__doc__)
     parser.add_argument("port", type=int, help="port to listen on")
-    parser.add_argument("model", help="model name reported by /v1/models and /props")
+    parser.add_argument("model", nargs="?", default="mock-model",
+                        help="model name reported by /v1/models and /props (default mock-model; unused with --router)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--slots", type=int, default=2, help="number of slots (default 2)")
     parser.add_argument(
@@ -29,6 +34,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--swa", action="store_true",
                         help="act as a sliding-window model without --swa-full: restored slots are not reused")
     parser.add_argument("--faults", default=None, help='faults armed at start, as JSON: {"drop": 1, ...}')
+    parser.add_argument("--router", action="store_true",
+                        help="router mode, as llama-server without -m: requests name one of --models")
+    parser.add_argument("--models", default="", help="router mode: comma-separated model names")
+    parser.add_argument("--models-max", type=int, default=4,
+                        help="router mode: most models loaded at once, 0 = unlimited (default 4)")
+    parser.add_argument("--models-autoload", action=argparse.BooleanOptionalAction, default=True,
+                        help="router mode: load a requested model unless ?autoload=false (default on)")
     parser.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
     return parser
 
@@ -54,6 +66,10 @@ def config_from(args: argparse.Namespace) -> MockConfig:
         api_key=args.api_key,
         swa=args.swa,
         faults=faults,
+        router=args.router,
+        models=tuple(name.strip() for name in args.models.split(",") if name.strip()),
+        models_max=args.models_max,
+        models_autoload=args.models_autoload,
     )
 
 

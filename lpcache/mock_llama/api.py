@@ -21,8 +21,12 @@ class ApiError(Exception):
         self.extra = extra
 
 
+CHILD_KEY = "lpcache.mock.child"  # scope key: the router's child serving this request
+
+
 def state_of(request: Request) -> MockState:
-    state: MockState = request.app.state.mock
+    """The state serving the request: the server's own, or in router mode the chosen model's."""
+    state: MockState = request.scope.get(CHILD_KEY) or request.app.state.mock
     return state
 
 

@@ -14,6 +14,11 @@ class MockConfig:
     ``port`` 0 lets ``start_mock`` pick a free port. ``slot_save_path`` None disables
     every ``POST /slots/*`` with 501, as on the real server. ``faults`` is armed at start
     (same keys as ``POST /mock/faults``).
+
+    ``router`` imitates llama-server's router mode (started without ``-m``): one child per
+    name in ``models``, each with its own ``slots`` slots and KV, all sharing
+    ``slot_save_path``; ``model`` is then unused. At most ``models_max`` children are
+    loaded at once (0: no limit); ``models_autoload`` is the default of ``?autoload=``.
     """
 
     port: int = 0
@@ -30,8 +35,19 @@ class MockConfig:
     # the whole prompt), as llama-server b11434 does when no context checkpoint survives the restore.
     swa: bool = False
     faults: dict[str, Any] = field(default_factory=dict)
+    router: bool = False
+    models: tuple[str, ...] = ()
+    models_max: int = 4  # llama-server's --models-max default
+    models_autoload: bool = True
 
     def __post_init__(self) -> None:
+        self.models = tuple(self.models)
+        if self.models and not self.router:
+            raise ValueError("models are only for router mode (router=True, --router)")
+        if any(not name for name in self.models) or len(set(self.models)) != len(self.models):
+            raise ValueError(f"model names must be non-empty and distinct, got {self.models}")
+        if self.models_max < 0:
+            raise ValueError(f"models_max must not be negative (0: unlimited), got {self.models_max}")
         if self.slots < 1:
             raise ValueError(f"slots must be at least 1, got {self.slots}")
         if self.n_ctx < 1:

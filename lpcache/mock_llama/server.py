@@ -1,9 +1,8 @@
-"""The app factory: routes, API key check, fault layer and the error envelope."""
+"""The app factory: routes (single-model or router), API key check, fault layer and the error envelope."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -16,11 +15,12 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from . import hooks, inference, slot_api
-from .api import ApiError, state_of
+from . import hooks, inference, info, slot_api
+from .api import ApiError
 from .config import MockConfig
-from .errors import error_response, json_response
+from .errors import error_response
 from .faults import FaultMiddleware, capture_transport
+from .router import Endpoint, Router, load_model, proxied, router_models, router_props, unload_model
 from .state import MockState
 
 PUBLIC_PATHS = ("/health", "/v1/health")
@@ -61,43 +61,6 @@ class MockApp(Starlette):
         await super().__call__(scope, receive, send)
 
 
-async def health(request: Request) -> Response:
-    return json_response({"status": "ok"})
-
-
-async def models(request: Request) -> Response:
-    config = state_of(request).config
-    model = {
-        "id": config.model,
-        "object": "model",
-        "owned_by": "llamacpp",
-        "created": int(time.time()),
-        "meta": {"n_ctx": config.n_ctx, "n_ctx_train": config.n_ctx, "vocab_type": 0},
-    }
-    return json_response({"object": "list", "data": [model], "models": [{"name": config.model, "model": config.model}]})
-
-
-async def props(request: Request) -> Response:
-    config = state_of(request).config
-    return json_response(
-        {
-            "default_generation_settings": {"n_ctx": config.n_ctx, "params": {"n_predict": config.max_tokens_default}},
-            "total_slots": config.slots,
-            "model_alias": config.model,
-            "model_path": config.model,
-            "chat_template": "chatml",
-            "bos_token": "",
-            "eos_token": "<|im_end|>",
-            "endpoint_slots": True,
-            "endpoint_props": False,
-            "endpoint_metrics": False,
-            "is_sleeping": False,
-            "build_info": "mock",
-            "role": "model",
-        }
-    )
-
-
 async def api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
     return error_response(exc.status, exc.message, exc.type, **exc.extra)
@@ -114,26 +77,37 @@ async def server_error(request: Request, exc: Exception) -> Response:
     return error_response(500, f"mock server error: {exc!r}")
 
 
-def routes() -> list[Route]:
+def routes(router: bool) -> list[Route]:
+    """The routes; in router mode the model-specific ones go through the model the request names."""
     post = ["POST"]
+
+    def by_body(handler: Endpoint, slot_action: bool = False) -> Endpoint:
+        return proxied(handler, post=True, slot_action=slot_action) if router else handler
+
+    def by_query(handler: Endpoint) -> Endpoint:
+        return proxied(handler, post=False) if router else handler
+
+    models = router_models if router else info.models
+    extra = [Route("/models/load", load_model, methods=post), Route("/models/unload", unload_model, methods=post)]
     return [
-        Route("/health", health),
-        Route("/v1/health", health),
+        Route("/health", info.health),
+        Route("/v1/health", info.health),
         Route("/models", models),
         Route("/v1/models", models),
-        Route("/props", props),
-        Route("/v1/chat/completions", inference.chat_completions, methods=post),
-        Route("/chat/completions", inference.chat_completions, methods=post),
-        Route("/completion", inference.native_completion, methods=post),
-        Route("/completions", inference.native_completion, methods=post),
-        Route("/v1/completions", inference.v1_completions, methods=post),
-        Route("/tokenize", inference.tokenize_route, methods=post),
-        Route("/detokenize", inference.detokenize_route, methods=post),
-        Route("/apply-template", inference.apply_template, methods=post),
-        Route("/v1/chat/completions/input_tokens", inference.input_tokens, methods=post),
-        Route("/chat/completions/input_tokens", inference.input_tokens, methods=post),
-        Route("/slots", slot_api.get_slots),
-        Route("/slots/{id_slot}", slot_api.slot_action, methods=post),
+        Route("/props", router_props(by_query(info.props)) if router else info.props),
+        Route("/v1/chat/completions", by_body(inference.chat_completions), methods=post),
+        Route("/chat/completions", by_body(inference.chat_completions), methods=post),
+        Route("/completion", by_body(inference.native_completion), methods=post),
+        Route("/completions", by_body(inference.native_completion), methods=post),
+        Route("/v1/completions", by_body(inference.v1_completions), methods=post),
+        Route("/tokenize", by_body(inference.tokenize_route), methods=post),
+        Route("/detokenize", by_body(inference.detokenize_route), methods=post),
+        Route("/apply-template", by_body(inference.apply_template), methods=post),
+        Route("/v1/chat/completions/input_tokens", by_body(inference.input_tokens), methods=post),
+        Route("/chat/completions/input_tokens", by_body(inference.input_tokens), methods=post),
+        Route("/slots", by_query(slot_api.get_slots)),
+        Route("/slots/{id_slot}", by_body(slot_api.slot_action, slot_action=True), methods=post),
+        *(extra if router else []),
         Route("/mock/stats", hooks.stats),
         Route("/mock/reset-stats", hooks.reset_stats, methods=post),
         Route("/mock/faults", hooks.faults, methods=["GET", "POST", "DELETE"]),
@@ -145,6 +119,8 @@ def routes() -> list[Route]:
 def create_app(config: MockConfig) -> Starlette:
     """A stand-in llama-server for ``config``; its live state is ``app.state.mock``."""
     state = MockState(config)
+    if config.router:
+        state.router = Router(state)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -153,7 +129,7 @@ def create_app(config: MockConfig) -> Starlette:
         state.closing.set()
 
     app = MockApp(
-        routes=routes(),
+        routes=routes(config.router),
         middleware=[
             Middleware(ApiKeyMiddleware, keys=config.api_keys),
             Middleware(FaultMiddleware, faults=state.faults, closing=state.closing),

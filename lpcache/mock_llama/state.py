@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 from .config import MockConfig
 from .faults import Faults
 from .slots import SlotPool
 from .tokens import Vocab
+
+if TYPE_CHECKING:
+    from .router import Router
 
 
 @dataclass
@@ -57,7 +60,18 @@ class MockState:
         self.vocab = Vocab()
         self.closing = asyncio.Event()  # set when the server stops; ends hung requests
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.router: Router | None = None  # set in router mode: the children, one per model
         self._task_ids = 0
+
+    def child(self, model: str) -> MockState:
+        """The state of one model of a router: its own slots and counters; faults, vocabulary and shutdown shared."""
+        child = MockState(replace(self.config, model=model, router=False, models=()))
+        child.faults, child.vocab, child.closing = self.faults, self.vocab, self.closing
+        return child
+
+    def reset_slots(self) -> None:
+        """Empty slots, as a freshly started server has (a router's child being unloaded)."""
+        self.pool = SlotPool(self.config.slots, self.config.n_ctx)
 
     def next_task_id(self) -> int:
         self._task_ids += 1

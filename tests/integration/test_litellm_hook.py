@@ -140,3 +140,24 @@ def test_route_options_and_server_root() -> None:
             RouteOptions.of(bad, {})
     assert server_root("http://h:8080/v1/") == "http://h:8080"
     assert server_root("https://h/llama") == "https://h/llama"
+
+
+async def test_router_model_about_to_be_unloaded_is_saved_first(slot_dir: str) -> None:
+    from lpcache.mock_llama import MockConfig, start_mock
+
+    router = start_mock(MockConfig(router=True, models=("a", "b"), models_max=1, slot_save_path=slot_dir))
+    hook = SlotCacheHook(environ={"LLAMA_SLOT_SAVE_PATH": slot_dir, "LLAMA_MODELS_MAX": "1"})
+    try:
+        story = words(1, 150)
+        await send(hook, router, S1, story, model="a")
+        await send(hook, router, S2, words(2, 150), model="b")   # the router unloads a: a's slot saved first
+        actions = mock_stats(router)["slot_actions"]
+        saves = [x for x in actions if x["action"] == "save"]
+        assert saves and saves[0]["model"] == "a" and saves[0]["loaded"] is True and saves[0]["status"] == 200
+        answer = await send(hook, router, S1, story + " more", model="a")   # b saved, a reloaded, S1 restored
+        assert answer["timings"]["cache_n"] >= 150
+        assert all(x["loaded"] for x in mock_stats(router)["slot_actions"] if x["action"] == "save")
+        assert sorted(os.listdir(slot_dir)) == sorted([session_filename("a", S1), session_filename("b", S2)])
+    finally:
+        await hook.close()
+        router.stop()
