@@ -150,6 +150,7 @@ class Attempts:
     async def _once(self) -> aiohttp.ClientResponse:
         self.sent = False
         await self.p.model_slots(self.prompt.model)
+        await self.p.check_slots()
         choice = await self.p.take_slot(self.prompt, self.candidate, self.record, self.allowed(), self.want)
         backend = self.p.backends[choice.slot.backend]
         self.choice, self.backend = choice, backend

@@ -96,6 +96,7 @@ class Backend:
     models: collections.OrderedDict[str, None] = field(default_factory=collections.OrderedDict)  # router: loaded
     model_slots: dict[str, int] = field(default_factory=dict)  # router: slots made per model
     slots_guessed: set[str] = field(default_factory=set)        # router: models whose count is N_SLOTS for now
+    last_seen: float = 0.0     # monotonic time of its last good answer (0: never, or it failed since)
 
     @property
     def url(self) -> str:
@@ -147,6 +148,7 @@ class Backend:
         return self.breaker.available(time.monotonic() if now is None else now)
 
     def failed(self, reason: str) -> None:
+        self.last_seen = 0.0   # it may come back restarted: what its slots hold is checked before it is trusted
         was = self.breaker.state
         self.breaker.failure(time.monotonic())
         log.warning("backend_down url=%s reason=%s cooldown_s=%.1f failures=%d%s", self.url, reason,
@@ -156,6 +158,7 @@ class Backend:
         if self.breaker.state != CLOSED:
             log.info("backend_up url=%s", self.url)
         self.breaker.success()
+        self.last_seen = time.monotonic()
 
 
 async def start_backends(settings: Settings, session: aiohttp.ClientSession) -> list[Backend]:

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
+from urllib.parse import quote
 
 import orjson
 from starlette.requests import Request
@@ -25,7 +26,7 @@ from .backends import Backend
 from .cache_files import Limits
 from .coalesce import Coalescer, coalesce_key
 from .config import Settings
-from .errors import BadRequest, ClientGone, ProxyError, SlotsBusy
+from .errors import BackendError, BadRequest, ClientGone, ProxyError, SlotsBusy
 from .guard import bearer_token, read_body
 from .index import Candidate, MetaEntry, MetaIndex
 from .llama import SlotAction
@@ -41,6 +42,7 @@ log = logging.getLogger("lpcache.pipeline")
 
 REUSE_MIN_TOKENS = 64    # a restore expected to bring fewer tokens than this says nothing about reuse
 REUSE_MIN_SHARE = 0.1    # a restore is "not reused" when cache_n is below this share of what it should bring
+SLOTS_TRUSTED_FOR = 1.0  # seconds after a backend's last answer during which what its slots hold is not re-checked
 OWN_SLOT_WAIT = 10.0  # seconds a request waits for the busy slot that holds its conversation before going elsewhere
 
 
@@ -282,6 +284,41 @@ class Pipeline:
     def slot_model(self, backend: Backend, model: str) -> str | None:
         """The model slot calls must name: on a router, the request's model (without LiteLLM's `openai/`)."""
         return route_name(model) if backend.router else None
+
+    # ---- what the slots really hold ----
+
+    async def check_slots(self) -> None:
+        """A server restarted between two requests holds nothing, whatever lpcache believes; trusting it would
+        send the next request to an empty slot instead of restoring its cache. So a backend silent for more than
+        SLOTS_TRUSTED_FOR (or failed since) is asked `GET /slots` first: a slot that has run no task since the
+        server started (no `n_prompt_tokens`) is empty. Costs one small request after a pause, none under load."""
+        now = time.monotonic()
+        due = [b for b in self.backends if now - b.last_seen > SLOTS_TRUSTED_FOR and any(
+            s.backend == b.index and s.content is not None and not s.busy for s in self.pool.slots)]
+        if due:
+            await asyncio.gather(*(self._check_slots(b) for b in due))
+
+    async def _check_slots(self, backend: Backend) -> None:
+        mine = [s for s in self.pool.slots if s.backend == backend.index and s.content is not None]
+        for model in {s.model for s in mine}:
+            path = "/slots" if model is None else f"/slots?model={quote(model)}&autoload=false"
+            try:
+                listing = await backend.client.get_json(path)
+            except BackendError:
+                listing = [] if model is not None else None   # a router's unloaded model has empty slots
+            except ProxyError:
+                continue   # unreachable: the request will find out and fail over
+            if not isinstance(listing, list):
+                continue   # no /slots on this server: lpcache cannot tell
+            held = {s.get("id") for s in listing if isinstance(s, dict) and s.get("n_prompt_tokens")}
+            lost = [s for s in mine if s.model == model and s.id not in held and not s.busy]
+            for slot in lost:
+                slot.content = None
+            if lost:
+                log.warning("slots_emptied backend=%s model=%s slots=%s: the server holds nothing there (restarted "
+                            "or unloaded); their caches are restored from disk when asked for", backend.url,
+                            model or "-", ",".join(str(s.id) for s in lost))
+        backend.last_seen = time.monotonic()
 
     # ---- routers: slots per model, and the model about to be unloaded ----
 

@@ -83,26 +83,26 @@ class ServerThread:
         self.stop()
 
 
-def llama_paths() -> tuple[str, str]:
-    """(llama-server binary, SmolLM2 GGUF): from LLAMA_SERVER_BIN / SMOLLM2_GGUF, else from the get script, which
-    builds and caches them outside the checkout on first use."""
-    binary, model = os.environ.get("LLAMA_SERVER_BIN"), os.environ.get("SMOLLM2_GGUF")
-    if binary and model:
-        return binary, model
-    out = subprocess.run(["bash", str(GET_LLAMA)], check=True, capture_output=True, text=True).stdout
+def script_paths(script: Path, *names: str) -> tuple[str, ...]:
+    """The paths a set-up script prints as NAME=value lines, each taken from the environment when it is set there
+    (the script fetches, builds and caches what it prints outside the checkout, on first use)."""
+    if all(os.environ.get(n) for n in names):
+        return tuple(os.environ[n] for n in names)
+    out = subprocess.run(["bash", str(script)], check=True, capture_output=True, text=True).stdout
     found = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
-    return found["LLAMA_SERVER_BIN"], found["SMOLLM2_GGUF"]
+    return tuple(os.environ.get(n) or found[n] for n in names)
+
+
+def llama_paths() -> tuple[str, str]:
+    """(llama-server binary, SmolLM2 GGUF), from scripts/get-llama-server.sh (or LLAMA_SERVER_BIN, SMOLLM2_GGUF)."""
+    binary, model = script_paths(GET_LLAMA, "LLAMA_SERVER_BIN", "SMOLLM2_GGUF")
+    return binary, model
 
 
 def gemma_path() -> str:
-    """The Gemma 3 270M GGUF (a sliding-window model): from GEMMA3_GGUF, else from the get script, which fetches and
-    caches it outside the checkout on first use. Run it with `LlamaServer(..., extra=["-m", gemma_path()])`."""
-    model = os.environ.get("GEMMA3_GGUF")
-    if model:
-        return model
-    out = subprocess.run(["bash", str(GET_LLAMA)], check=True, capture_output=True, text=True).stdout
-    found = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
-    return found["GEMMA3_GGUF"]
+    """The Gemma 3 270M GGUF (a sliding-window model), from the same script (or GEMMA3_GGUF). Run it with
+    `LlamaServer(..., extra=["-m", gemma_path()])`."""
+    return script_paths(GET_LLAMA, "GEMMA3_GGUF")[0]
 
 
 class _Process:
@@ -111,8 +111,8 @@ class _Process:
     name = "process"
     health_path = "/health"
 
-    def __init__(self) -> None:
-        self.port = free_port()
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
         self.log_path = Path(tempfile.mkstemp(prefix=f"{self.name}-", suffix=".log")[1])
@@ -156,8 +156,9 @@ class LlamaServer(_Process):
     name = "llama-server"
 
     def __init__(self, slot_save_path: str | None = None, *, n_slots: int = 2, ctx: int = 16384,
-                 cache_ram: int | None = 0, extra: Sequence[str] = (), timeout: float = 120.0) -> None:
-        super().__init__()
+                 cache_ram: int | None = 0, extra: Sequence[str] = (), timeout: float = 120.0,
+                 port: int | None = None) -> None:
+        super().__init__(port)
         binary, model = llama_paths()
         self.slot_save_path = slot_save_path
         argv = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(self.port), "-np", str(n_slots),

@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from lpcache.testing import REPO, _Process, remove_tree, scratch_dir, wait_healthy
+from lpcache.testing import REPO, _Process, remove_tree, scratch_dir, script_paths, wait_healthy
 
 GET_LITELLM = REPO / "scripts" / "get-litellm.sh"
 
@@ -38,12 +38,8 @@ _DROPPED_ENV = ("DATABASE_URL", "DIRECT_URL", "STORE_MODEL_IN_DB", "CONFIG_FILE_
 def litellm_paths() -> tuple[str, str]:
     """(litellm executable, its Python): from LITELLM_BIN / LITELLM_PYTHON, else from scripts/get-litellm.sh,
     which makes and caches the virtualenv outside the checkout on first use (about a minute)."""
-    binary, python = os.environ.get("LITELLM_BIN"), os.environ.get("LITELLM_PYTHON")
-    if binary and python:
-        return binary, python
-    out = subprocess.run(["bash", str(GET_LITELLM)], check=True, capture_output=True, text=True).stdout
-    found = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
-    return found["LITELLM_BIN"], found["LITELLM_PYTHON"]
+    binary, python = script_paths(GET_LITELLM, "LITELLM_BIN", "LITELLM_PYTHON")
+    return binary, python
 
 
 class LiteLLMProxy(_Process):

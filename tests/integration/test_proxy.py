@@ -449,3 +449,28 @@ def test_a_reused_restore_is_not_flagged(proxy: Proxy, backend: Any) -> None:
     proxy.wait_finished(4)
     assert proxy.records[3].restored is True and proxy.records[3].restore_reused is True
     assert proxy.pipeline.kv_off == set()
+
+
+@pytest.mark.parametrize("session", [None, "5" * 32])
+def test_a_restarted_server_is_noticed_and_the_cache_restored(start_proxy: Any, start_backend: Any, slot_dir: str,
+                                                              monkeypatch: pytest.MonkeyPatch,
+                                                              session: str | None) -> None:
+    import lpcache.pipeline
+
+    monkeypatch.setattr(lpcache.pipeline, "SLOTS_TRUSTED_FOR", 0.0)   # check before every request
+    backend = start_backend(slots=1)
+    proxy = start_proxy(backend)
+    headers = {"X-Session-ID": session} if session else None
+    first = words(1, BIG)
+    proxy.push(user(first), headers)
+    port = backend.app_state.config.port or int(backend.url.rsplit(":", 1)[1])
+    backend.stop()
+    restarted = start_backend(slots=1, port=port)      # the same server, empty, its slot files still on disk
+    r = proxy.push(user(first + " after the restart"), headers)
+    assert r.status_code == 200
+    assert r.headers["x-lpcache-restored"] == "true"
+    assert r.json()["timings"]["cache_n"] >= BIG
+    assert mock_stats(restarted)["restores"] == 1
+    # And without a restart the check finds the slot full: no restore, the resident cache is used.
+    r = proxy.push(user(first + " after the restart and more"), headers)
+    assert r.headers["x-lpcache-restored"] == "false" and r.json()["timings"]["cache_n"] >= BIG
