@@ -38,5 +38,13 @@ test-fast: $(BIN)/lpcache
 	$(BIN)/python -m pytest -q -m "not e2e"
 
 bench: setup
+	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
+	$(BIN)/python bench/scenarios.py
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/lookup.py
+
+# docs/configuration.md is generated from lpcache/config.py (tests/unit/test_docs.py checks it is up to date).
+.PHONY: docs
+docs: $(BIN)/lpcache
+	$(BIN)/python -m lpcache.config_doc > docs/configuration.md.tmp
+	mv docs/configuration.md.tmp docs/configuration.md

@@ -75,7 +75,8 @@ async def chat_completions(request: Request) -> ASGIApp:
         return Response(status_code=499)   # nobody reads it: the connection is gone
     except ProxyError as e:
         record.status = e.status
-        record.reason = record.reason or ("invalid_request" if e.status in (400, 422) else "backend_error")
+        record.reason = record.reason or {400: "invalid_request", 422: "invalid_request",
+                                          413: "request_too_large"}.get(e.status, "backend_error")
         pipeline.notify(record)
         return error_response(e)
 

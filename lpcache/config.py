@@ -311,7 +311,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("BREAKER_MAX_COOLDOWN_MS", "--breaker-max-cooldown-ms", _int(1), "60000",
            "Longest cooldown of a failing backend.", metavar="MS"),
     Option("SHUTDOWN_TIMEOUT", "--shutdown-timeout", _float(0.0), "30",
-           "Seconds requests in flight get to finish on SIGTERM/SIGINT (running saves get as long again).",
+           "Seconds requests in flight get to finish on SIGTERM/SIGINT (running saves get as long again, and with "
+           "SAVE_POLICY=evict the final saves of unsaved slots as long once more).",
            metavar="SECONDS"),
     Option("SAVE_POLICY", "--save-policy", _save_policy, "eager",
            "When a slot's cache is written to disk. eager: after every big request (and a session's whenever it "
@@ -331,7 +332,7 @@ OPTIONS: tuple[Option, ...] = (
            "unload are saved first. Per backend: \"models_max\" in BACKENDS.", metavar="N"),
     Option("PLUGINS", "--plugins", _plugin_specs, None,
            'JSON array of plugin specs [{"name": "...", "params": {...}}]. Built-ins: keyword, qwen_guard, '
-           "result_cache, chain (prefilters, run in list order; [] = none), request_log, dashboard (at most one); "
+           "result_cache, chain (prefilters, run in list order; [] = none), request_log, dashboard (at most one each); "
            "others come from installed packages (entry-point group lpcache.plugins). When set, the PREFILTER_* "
            "variables are ignored, and a request_log spec here wins over REQUEST_LOG*.", metavar="JSON"),
     Option("REQUEST_LOG", "--request-log", _bool, "false",
@@ -475,6 +476,8 @@ def describe(settings: Settings) -> str:
             value: Any = [b.url for b in settings.backends]
         elif o.env == "LLAMA_URL":
             continue
+        elif o.env == "SLOT_SAVE_PATH":
+            value = list(settings.slot_save_paths) or None
         elif o.env == "LLAMA_API_KEY":
             value = "set" if settings.llama_api_key else "unset"
         elif o.env == "PLUGINS":

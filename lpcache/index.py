@@ -45,9 +45,13 @@ class MetaEntry:
     slot_save_path: str | None = None
 
     def readable_by(self, url: str, slot_save_path: str | None) -> bool:
-        """A KV file is readable by a server that uses the same slot-save folder, or by the server that wrote it."""
+        """A KV file is readable by a server that uses the same slot-save folder, or by the server that wrote it. A
+        meta file that says neither (written by the Rust lpcache or proxycache, which had one folder) is tried on
+        any server: a miss only costs a prefill."""
         if self.slot_save_path and slot_save_path:
             return self.slot_save_path == slot_save_path
+        if self.backend is None and self.slot_save_path is None:
+            return True
         return self.backend == url
 
 

@@ -7,11 +7,13 @@ its task, so two kinds of one user share no prefix and every turn of a kind exte
 
 The ideal is what a perfect cache would leave to compute: for each request, the prompt tokens that no earlier
 prompt of the same session shared as a token prefix (llama-server's own `/apply-template` and `/tokenize` count
-them). Used by the end-to-end acceptance tests and the benchmarks.
+them). Used by the end-to-end acceptance tests and the benchmarks. `ideals` gives that and the global ideal (no
+earlier prompt of any session) from one tokenization pass (bench/replay.py).
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -91,3 +93,54 @@ def ideal(server: str, workload: Sequence[Turn], per_session: bool = True) -> li
             out.append(len(tokens) - best)
             earlier.append(tokens)
     return out
+
+
+def tokenize_all(server: str, workload: Sequence[Turn], client: httpx.Client | None = None) -> list[list[int]]:
+    """Each turn's prompt tokens (as `prompt_tokens`), in the workload's order, on one connection. A refused call
+    raises `httpx.HTTPStatusError`; an answer without the expected field raises `ValueError`."""
+    own = client is None
+    c = client or httpx.Client(timeout=60)
+    out = []
+    try:
+        for t in workload:
+            r = c.post(f"{server}/apply-template", json={"messages": t.messages})
+            r.raise_for_status()
+            prompt = _field(r, "prompt", str)
+            r = c.post(f"{server}/tokenize", json={"content": prompt, "add_special": True})
+            r.raise_for_status()
+            tokens = _field(r, "tokens", list)
+            out.append([int(x) for x in tokens])
+    finally:
+        if own:
+            c.close()
+    return out
+
+
+def _field(r: httpx.Response, name: str, kind: type) -> Any:
+    body = r.json()
+    value = body.get(name) if isinstance(body, dict) else None
+    if not isinstance(value, kind):
+        raise ValueError(f"{r.request.url} answered without a {kind.__name__} '{name}', unlike llama-server")
+    return value
+
+
+def ideal_of(tokens: Sequence[Sequence[int]], groups: Sequence[str] | None = None) -> list[int]:
+    """For each prompt, its tokens that no earlier prompt (of the same group, or of any when `groups` is None)
+    shared as a prefix. The earlier prompts are kept sorted: the longest prefix one shares with a new prompt is
+    the one its neighbours in that order share, so each prompt costs a binary search, not a pass over all."""
+    seen: dict[str, list[tuple[int, ...]]] = {}
+    out = []
+    for i, t in enumerate(tokens):
+        key = tuple(t)
+        earlier = seen.setdefault("" if groups is None else groups[i], [])
+        at = bisect.bisect_left(earlier, key)
+        best = max((shared(key, earlier[j]) for j in (at - 1, at) if 0 <= j < len(earlier)), default=0)
+        out.append(len(key) - best)
+        earlier.insert(at, key)
+    return out
+
+
+def ideals(server: str, workload: Sequence[Turn], client: httpx.Client | None = None) -> tuple[list[int], list[int]]:
+    """`ideal` over all earlier prompts and per session, from one tokenization pass: (global, per session)."""
+    tokens = tokenize_all(server, workload, client)
+    return ideal_of(tokens), ideal_of(tokens, [t.session for t in workload])

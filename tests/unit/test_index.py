@@ -565,3 +565,9 @@ def test_readable_by() -> None:
     assert not e.readable_by("http://b:1", None)
     no_path = MetaEntry("k", "m", 2, (), 0.0, backend="http://a:1")
     assert no_path.readable_by("http://a:1", "/kv") and not no_path.readable_by("http://b:1", "/kv")
+
+
+def test_meta_without_location_is_tried_anywhere() -> None:
+    """The Rust lpcache and proxycache wrote meta files without backend or folder: they had one folder."""
+    legacy = MetaEntry("k", "m", 2, (), 0.0)
+    assert legacy.readable_by("http://a:1", "/kv") and legacy.readable_by("http://b:1", None)
