@@ -61,10 +61,11 @@ class Scenario:
     session: bool = False
     concurrency: int = 1
     alone_as: str | None = None      # the server alone is run as in this other scenario (same figures)
+    repeat: int = 1                  # runs of each setup, interleaved; the one with the median time is reported
 
 
 SCENARIOS = (
-    Scenario("fits", "The working set fits llama-server's RAM cache (-np 2, default --cache-ram)"),
+    Scenario("fits", "The working set fits llama-server's RAM cache (-np 2, default --cache-ram)", repeat=3),
     Scenario("ram0", "The working set is larger than the RAM cache (-np 2 --cache-ram 0)", cache_ram=0),
     Scenario("restart", "llama-server restarted between rounds (-np 2, default --cache-ram)", restart=True),
     Scenario("two", "Two llama-servers (-np 1 --cache-ram 0 each) behind lpcache, one (-np 2) alone", n_slots=1,
@@ -138,8 +139,9 @@ def markdown(results: Sequence[Result], machine: str, workload: str, minutes: fl
     out = [START, "", "## Prefill saved, scenario by scenario (`bench/scenarios.py`)", "",
            f"{machine}. Workload: {workload}. Whole run: {minutes:.0f} minutes. `computed` is the prompt tokens the "
            "server(s) computed (`timings.prompt_n`); the ideal is the prompt tokens no earlier prompt shared as a "
-           "token prefix; `time` is the time spent in requests (restarts excluded); `written` is what lpcache's saves "
-           "wrote to the slot-save folders.", ""]
+           "token prefix; `time` is the time spent in requests (restarts excluded; for a scenario run several times, "
+           "interleaved, the run with the median time, all times listed below its table); `written` is what "
+           "lpcache's saves wrote to the slot-save folders.", ""]
     for s in SCENARIOS:
         rows = []
         alone = by.get((s.name, "llama-server alone"))
@@ -156,6 +158,11 @@ def markdown(results: Sequence[Result], machine: str, workload: str, minutes: fl
             out += [f"### {s.name}: {s.title}", "", table(
                 ["setup", "computed", "ideal", "x ideal", "ttft p50 s", "ttft p90 s", "time s", "x alone",
                  "written", "folder", "errors"], rows), ""]
+            if s.repeat > 1:
+                times = "; ".join(f"{setup}: {', '.join(f'{t:.1f}' for t in by[(s.name, setup)]['runs_request_s'])}"
+                                  for setup in ["llama-server alone", *(f"lpcache, SAVE_POLICY={p}" for p in POLICIES)]
+                                  if (s.name, setup) in by)
+                out += [f"Times of the {s.repeat} runs (s): {times}.", ""]
     out += ["![tokens computed over the ideal, and time to first token](bench-scenarios.png)", "", END]
     return "\n".join(out)
 
@@ -238,13 +245,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     results: list[Result] = []
     for scenario in chosen:
+        runs: dict[str | None, list[Result]] = {}
+        for _ in range(scenario.repeat):   # interleaved, so a slow spell of the machine hits every setup alike
+            for policy in (None, *POLICIES):
+                same = next((r for r in results if r.scenario == scenario.alone_as and r.setup ==
+                             "llama-server alone"), None) if policy is None else None
+                run = Result(scenario.name, same.setup, same.summary) if same else one_run(scenario, workload,
+                                                                                           policy, say)
+                runs.setdefault(policy, []).append(run)
         for policy in (None, *POLICIES):
-            same = next((r for r in results if r.scenario == scenario.alone_as and r.setup == "llama-server alone"),
-                        None) if policy is None else None
-            if same is not None:
-                results.append(Result(scenario.name, same.setup, same.summary))
-                continue
-            results.append(one_run(scenario, workload, policy, say))
+            ordered = sorted(runs[policy], key=lambda r: r.summary["request_s"])
+            chosen_run = ordered[len(ordered) // 2]
+            chosen_run.summary["runs_request_s"] = [r.summary["request_s"] for r in runs[policy]]
+            results.append(chosen_run)
     minutes = (time.perf_counter() - started) / 60
     section = markdown(results, machine(), described, minutes)
     print(section)

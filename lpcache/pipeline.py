@@ -35,7 +35,7 @@ from .prefix import Prompt, common_prefix, raw_prefix
 from .record import Observer, RequestRecord
 from .relay import ClientWatch, FollowerRelay, JsonRelay, ServedRelay, SseRelay
 from .sessions import SessionBook, route_name, session_filename, session_id
-from .slots import Choice, Content, Slot, SlotPool, worth_waiting_for
+from .slots import Choice, Content, Slot, SlotPool, preferred
 from .speeds import Speeds
 
 log = logging.getLogger("lpcache.pipeline")
@@ -261,18 +261,20 @@ class Pipeline:
         the session), that one after a bounded wait."""
         choice = None
         session = want.key if want is not None else None
-        target = worth_waiting_for(self.pool.slots, prompt, candidate, allowed, session)
-        if target is not None:
+        homes = self.session_homes(want)
+        prefer = preferred(self.pool.slots, prompt, candidate, allowed, session, homes)
+        if prefer is not None:
+            wanted = prefer if allowed is None else (lambda s: allowed(s) and prefer(s))
             try:
-                choice = await self.pool.acquire(prompt, candidate, lambda s: s is target,
+                choice = await self.pool.acquire(prompt, candidate, wanted,
                                                  timeout=min(OWN_SLOT_WAIT, self.settings.slot_wait_timeout),
-                                                 session=session)
-                log.debug("waited_for_slot slot=%s key=%s", target.name, prompt.key[:16])
+                                                 session=session, homes=homes)
+                log.debug("waited_for_slot slot=%s key=%s", choice.slot.name, prompt.key[:16])
             except SlotsBusy:
-                log.info("own_slot_still_busy slot=%s: taking another", target.name)
+                log.info("own_slot_still_busy key=%s: taking another", prompt.key[:16])
         if choice is None:
             try:
-                choice = await self.pool.acquire(prompt, candidate, allowed, session=session)
+                choice = await self.pool.acquire(prompt, candidate, allowed, session=session, homes=homes)
             except SlotsBusy:
                 record.reason = "slot_timeout"
                 raise
@@ -280,6 +282,16 @@ class Pipeline:
         choice.slot.pending = want or Content(prompt.key, prompt.chain)
         record.backend, record.slot = self.backends[choice.slot.backend].url, choice.slot.id
         return choice
+
+    def session_homes(self, want: Content | None) -> frozenset[int]:
+        """The backends whose slot-save folder has the session's file (where it was saved, or a folder shared with
+        that backend)."""
+        info = self.sessions.get(want.key) if want is not None else None
+        if info is None or not info.homes:
+            return frozenset()
+        paths = {self.backends[i].config.slot_save_path for i in info.homes} - {None}
+        return frozenset(b.index for b in self.backends
+                         if b.index in info.homes or b.config.slot_save_path in paths)
 
     def slot_model(self, backend: Backend, model: str) -> str | None:
         """The model slot calls must name: on a router, the request's model (without LiteLLM's `openai/`)."""
@@ -477,6 +489,7 @@ class Pipeline:
                 info = self.sessions.get(held.key)
                 if info is not None:
                     info.saves, info.file_bytes, info.saved_chain = info.saves + 1, n_written, held.chain
+                    info.homes.add(backend.index)
             elif held.prompt is not None:
                 self.spawn(self.index.add(held.prompt, backend.url, path))
         elif held.session is None:
@@ -596,6 +609,7 @@ class Pipeline:
         info = self.sessions.get(content.key)
         if info is not None:
             info.saves, info.file_bytes, info.saved_chain = info.saves + 1, record.save_bytes, content.chain
+            info.homes.add(backend.index)
         return replace(content, saved=True)
 
     async def save(self, choice: Choice, backend: Backend, prompt: Prompt, record: RequestRecord) -> Content:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .prefix import content_text
@@ -139,6 +139,7 @@ class SessionInfo:
     saves: int = 0
     file_bytes: int | None = None    # size of its file after the last save, as the server reported it
     saved_chain: tuple[int, ...] = ()  # block chain of the prompt its file holds
+    homes: set[int] = field(default_factory=set)  # backends (indexes) that saved its file
     messages: Sequence[Any] = ()     # its last prompt, to say where the next one differs
     comparison: Comparison | None = None
 

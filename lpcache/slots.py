@@ -71,11 +71,12 @@ class Choice:
 
 
 def choose(idle: Sequence[Slot], prompt: Prompt | None, candidate: Candidate | None,
-           session: str | None = None) -> Choice:
+           session: str | None = None, homes: frozenset[int] = frozenset()) -> Choice:
     """Pick among idle slots.
 
     0. In session mode (`session`: the session's file name): the slot that holds the session, else the least
-       recently used one (never-used first); the caller swaps the session in.
+       recently used one (never-used first) on a backend whose folder has the session's file (`homes`), else
+       anywhere; the caller swaps the session in.
     1. A slot that already holds at least as long a prefix as the best saved cache: no restore at all.
     2. Else, when a saved cache shares more: restore it into a slot whose server can read its file.
     3. Else a never-used slot, else the least recently used one.
@@ -84,7 +85,8 @@ def choose(idle: Sequence[Slot], prompt: Prompt | None, candidate: Candidate | N
         for slot in idle:
             if slot.content is not None and slot.content.key == session:
                 return Choice(slot, None, len(slot.content.chain))
-        return Choice(_coldest(idle), None, 0)
+        at_home = [s for s in idle if s.backend in homes]
+        return Choice(_coldest(at_home or idle), None, 0)
     best_slot: Slot | None = None
     best = (0, 0.0)  # (shared blocks, last use): the longest resident prefix, the freshest on a tie
     if prompt is not None and prompt.chain:
@@ -136,6 +138,33 @@ def worth_waiting_for(slots: Sequence[Slot], prompt: Prompt | None, candidate: C
     return None
 
 
+def preferred(slots: Sequence[Slot], prompt: Prompt | None, candidate: Candidate | None,
+              allowed: Callable[[Slot], bool] | None = None, session: str | None = None,
+              homes: frozenset[int] = frozenset()) -> Callable[[Slot], bool] | None:
+    """The slots worth a bounded wait when none of them is idle, rather than an idle slot elsewhere that would
+    prefill: the busy slot of `worth_waiting_for`; in session mode, the slots of the backends whose folder has the
+    session's file; in prefix mode, the slots that can read the saved cache when it holds far more of the prompt than
+    any idle slot (a server with one slot is often busy for the few milliseconds of the previous request's save)."""
+    target = worth_waiting_for(slots, prompt, candidate, allowed, session)
+    if target is not None:
+        return lambda s: s is target
+    ok: Callable[[Slot], bool] = allowed or (lambda s: True)
+
+    def only(want: Callable[[Slot], bool]) -> Callable[[Slot], bool] | None:
+        mine = [s for s in slots if ok(s) and want(s)]
+        return want if mine and all(s.busy for s in mine) else None
+
+    if session is not None:
+        return only(lambda s: s.backend in homes) if homes else None
+    if candidate is None or prompt is None or not prompt.chain:
+        return None
+    idle_best = max((common_prefix(s.content.chain, prompt.chain) for s in slots
+                     if not s.busy and ok(s) and s.content is not None), default=0)
+    if candidate.shared - idle_best < max(2, len(prompt.chain) // 4):
+        return None
+    return only(lambda s: s.can_read(candidate))
+
+
 def _coldest(slots: Sequence[Slot]) -> Slot:
     """A never-used slot first, else the least recently used; ties go to the lowest backend, then slot id."""
     return min(slots, key=lambda s: (s.used, s.last_used, s.backend, s.id))
@@ -147,6 +176,7 @@ class _Waiter:
     candidate: Candidate | None
     allowed: Callable[[Slot], bool] | None
     session: str | None
+    homes: frozenset[int]
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -172,13 +202,13 @@ class SlotPool:
 
     async def acquire(self, prompt: Prompt | None, candidate: Candidate | None = None,
                       allowed: Callable[[Slot], bool] | None = None, timeout: float | None = None,
-                      session: str | None = None) -> Choice:
+                      session: str | None = None, homes: frozenset[int] = frozenset()) -> Choice:
         """Take a slot (among those `allowed`, when given); raise SlotsBusy (503) when none comes free within the
         wait timeout (`timeout`, else the pool's)."""
         idle = self.idle(allowed)
         if idle and not self._waiters:
-            return self._take(choose(idle, prompt, candidate, session))
-        waiter = _Waiter(prompt, candidate, allowed, session)
+            return self._take(choose(idle, prompt, candidate, session, homes))
+        waiter = _Waiter(prompt, candidate, allowed, session, homes)
         self._waiters.append(waiter)
         self.wake()
         try:
@@ -235,4 +265,5 @@ class SlotPool:
                     return
                 continue
             self._waiters.remove(waiter)
-            waiter.future.set_result(self._take(choose(idle, waiter.prompt, waiter.candidate, waiter.session)))
+            choice = choose(idle, waiter.prompt, waiter.candidate, waiter.session, waiter.homes)
+            waiter.future.set_result(self._take(choice))

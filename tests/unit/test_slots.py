@@ -420,3 +420,35 @@ def test_worth_waiting_for_a_busy_slot_that_will_hold_the_conversation() -> None
     # the filter of the request applies
     idle.content = None
     assert worth_waiting_for([busy, idle], nxt, None, allowed=lambda s: s is not busy) is None
+
+
+def test_preferred_waits_for_the_only_slots_that_can_read_the_saved_cache() -> None:
+    from lpcache.slots import preferred
+
+    p = Prompt.of("m", [{"role": "user", "content": " ".join(f"w{i}" for i in range(40))}], 2)
+    entry = MetaEntry("k", "m", 2, p.chain, 0.0, backend="http://a:1", slot_save_path="/a")
+    cand = Candidate(entry, len(p.chain), 1.0)
+    a = Slot(0, 0, slot_save_path="/a", url="http://a:1", busy=True, used=True)   # saving the previous request
+    b = Slot(1, 0, slot_save_path="/b", url="http://b:1", used=True)             # idle, cannot read the file
+    wait = preferred([a, b], p, cand)
+    assert wait is not None and wait(a) and not wait(b)
+    a.busy = False                                   # an idle reader: no wait, choose() takes it
+    assert preferred([a, b], p, cand) is None
+    a.busy = True
+    b.content = Content(p.key, p.chain)              # the idle slot holds the prompt already: no wait
+    assert preferred([a, b], p, cand) is None
+    b.content = None
+    assert preferred([a, b], p, Candidate(entry, 2, 0.1)) is None   # a small share is not worth a wait
+    assert preferred([a, b], p, cand, allowed=lambda s: s is b) is None
+
+
+def test_preferred_and_choose_keep_a_session_where_its_file_is() -> None:
+    from lpcache.slots import preferred
+
+    a, b = Slot(0, 0, busy=True, used=True), Slot(1, 0, used=True)
+    wait = preferred([a, b], None, None, session="f.bin", homes=frozenset({0}))
+    assert wait is not None and wait(a) and not wait(b)
+    assert preferred([a, b], None, None, session="f.bin") is None           # no file yet: anywhere
+    a.busy = False
+    assert preferred([a, b], None, None, session="f.bin", homes=frozenset({0})) is None
+    assert choose([b, a], None, None, session="f.bin", homes=frozenset({0})).slot is a
