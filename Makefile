@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup browser litellm demo test test-fast lint bench
+.PHONY: setup browser litellm demo test test-fast lint bench bench-micro
 
 $(BIN)/lpcache: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,11 +37,16 @@ test: setup browser litellm lint
 test-fast: $(BIN)/lpcache
 	$(BIN)/python -m pytest -q -m "not e2e"
 
+# The scenarios on a real llama-server (about 21 minutes on 2 cores after the set-up): docs/benchmarks.md's tables.
 bench: setup
 	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
 	$(BIN)/python bench/scenarios.py
+
+# lpcache's own costs against a zero-latency stand-in (a few minutes).
+bench-micro: $(BIN)/lpcache
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/lookup.py
+	$(BIN)/python bench/http_clients.py
 
 # docs/configuration.md is generated from lpcache/config.py (tests/unit/test_docs.py checks it is up to date).
 .PHONY: docs

@@ -78,3 +78,22 @@ def words(seed: int, n: int) -> str:
 
 def user(text: str) -> list[dict[str, Any]]:
     return [{"role": "user", "content": text}]
+
+
+_config: Any = None
+
+
+def pytest_configure(config: Any) -> None:
+    global _config
+    _config = config
+
+
+def figures(line: str) -> None:
+    """Show measured figures in the run's output (the CI log), past pytest's output capture."""
+    reporter = _config.pluginmanager.get_plugin("terminalreporter") if _config is not None else None
+    capture = _config.pluginmanager.get_plugin("capturemanager") if _config is not None else None
+    if reporter is None or capture is None:
+        print(line)
+        return
+    with capture.global_and_fixture_disabled():
+        reporter.write_line(line.strip("\n"))

@@ -28,6 +28,7 @@ from lpcache.record import RequestRecord
 from lpcache.testing import LlamaServer, gemma_path
 
 from ..conftest import Proxy
+from ..conftest import figures as show
 from .test_real_llama import body, conversation, follow_up, shared, tokens
 
 pytestmark = pytest.mark.e2e
@@ -88,7 +89,7 @@ def figures(what: str, record: RequestRecord, common: int | None = None) -> None
     def ms(value: float | None) -> str:
         return "-" if value is None else f"{value:.0f} ms"
 
-    print(f"\n  {what}: restored={record.restored} restored_tokens={record.restored_tokens} "
+    show(f"\n  {what}: restored={record.restored} restored_tokens={record.restored_tokens} "
           f"restore={ms(record.restore_ms)} shared_prefix={common} cache_n={record.cache_n} "
           f"prompt_n={record.prompt_n} prefill={ms(record.prefill_ms)} saved={record.saved}")
 

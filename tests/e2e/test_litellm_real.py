@@ -17,6 +17,7 @@ from lpcache.sessions import route_tag
 from lpcache.testing import LlamaServer
 from lpcache.workload import ideal, turns
 
+from ..conftest import figures
 from .litellm_rig import LiteLLMProxy, route
 
 pytestmark = pytest.mark.e2e
@@ -52,7 +53,7 @@ def test_session_workload_through_litellm_computes_about_the_ideal(tmp_path: Any
             restores = proxy.log_lines("slot_restore")
             lines = proxy.log_lines("slot_")
         names = os.listdir(slots)
-    print(f"\nthrough LiteLLM with lpcache's hook: computed {computed}, ideal {ideal_total} "
+    figures(f"\nthrough LiteLLM with lpcache's hook: computed {computed}, ideal {ideal_total} "
           f"({computed / ideal_total:.3f}x), {len([x for x in restores if ': ok' in x])} restores, "
           f"{len(names)} files, {seconds:.0f} s")
     assert any("slot_restore" in line and ": ok" in line for line in lines), "\n".join(lines[-20:])

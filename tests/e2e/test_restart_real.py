@@ -10,7 +10,7 @@ import pytest
 from lpcache.config import BackendConfig, Settings
 from lpcache.testing import LlamaServer
 
-from ..conftest import Proxy
+from ..conftest import Proxy, figures
 from .test_real_llama import body, conversation, follow_up, shared, tokens
 
 pytestmark = pytest.mark.e2e
@@ -40,7 +40,7 @@ def test_cache_survives_a_server_restart(tmp_path: Any, monkeypatch: pytest.Monk
         record = proxy.records[1]
         common = shared(tokens(server.url, first), tokens(server.url, second))
         cache_n = r.json()["timings"]["cache_n"]
-        print(f"\nafter a restart: restored={record.restored} cache_n={cache_n} of {common} shared tokens, "
+        figures(f"\nafter a restart: restored={record.restored} cache_n={cache_n} of {common} shared tokens, "
               f"prompt_n={r.json()['timings']['prompt_n']}")
         assert record.restored is True
         assert cache_n >= 0.9 * common

@@ -16,7 +16,7 @@ from lpcache.config import BackendConfig, Settings
 from lpcache.sessions import session_filename
 from lpcache.testing import story
 
-from ..conftest import Proxy
+from ..conftest import Proxy, figures
 from .test_real_router import MockRouter, RealRouter
 
 S1, S2 = "a1" * 16, "b2" * 16
@@ -59,7 +59,7 @@ def test_sessions_survive_the_router_unloading_their_model(router: RealRouter | 
         assert record.restored is True
         prompt = first["usage"]["prompt_tokens"]
         assert back["timings"]["cache_n"] >= 0.9 * prompt
-        print(f"\nrouter ({router.name}): restored {record.restored_tokens} tokens after the reload of a, "
+        figures(f"\nrouter ({router.name}): restored {record.restored_tokens} tokens after the reload of a, "
               f"cache_n {back['timings']['cache_n']} of {back['usage']['prompt_tokens']}")
         names = set(Path(slot_dir).iterdir())
         assert {p.name for p in names} >= {session_filename("a", S1), session_filename("b", S2)}

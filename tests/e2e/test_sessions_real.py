@@ -18,7 +18,7 @@ from lpcache.sessions import route_tag
 from lpcache.testing import LlamaServer
 from lpcache.workload import Turn, ideal, turns
 
-from ..conftest import Proxy
+from ..conftest import Proxy, figures
 
 pytestmark = pytest.mark.e2e
 
@@ -85,7 +85,7 @@ def run_through_lpcache(server: LlamaServer, workload: list[Turn], tmp_path: Any
 
 
 def report(name: str, run: Run, ideal_total: int) -> None:
-    print(f"\n{name}: prompt tokens {run.prompt}, computed {run.computed}, ideal {ideal_total} "
+    figures(f"\n{name}: prompt tokens {run.prompt}, computed {run.computed}, ideal {ideal_total} "
           f"({run.computed / ideal_total:.3f}x), restores {run.restores}, bytes written {run.written:,}, "
           f"folder at the end {run.folder:,}, {run.seconds:.0f} s")
 

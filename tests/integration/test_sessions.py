@@ -13,7 +13,7 @@ import pytest
 
 from lpcache.sessions import route_tag, session_filename
 
-from ..conftest import user, words
+from ..conftest import figures, user, words
 from .conftest import mock_stats
 
 BIG = 200    # words: big with the test threshold of 50
@@ -206,7 +206,7 @@ def test_eager_and_evict_compute_the_same_tokens_and_evict_writes_less(start_pro
         computed[policy] = mock_stats(backend)["prompt_tokens_computed"]
         proxy.stop()
         backend.stop()
-    print(f"\nsession workload, 3 sessions x 3 turns on one slot: bytes written eager={written['eager']} "
+    figures(f"\nsession workload, 3 sessions x 3 turns on one slot: bytes written eager={written['eager']} "
           f"evict={written['evict']}; tokens computed eager={computed['eager']} evict={computed['evict']}")
     assert computed["eager"] == computed["evict"]
     assert 0 < written["evict"] < written["eager"]
