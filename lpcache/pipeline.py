@@ -456,15 +456,11 @@ class Pipeline:
         slot.content = result.held
         restored = result.restored
         if restored is not None:
-            record.restored, record.restore_ms = restored.ok, restored.ms
-            record.restore_bytes = _int_or_none(restored.body.get("n_read"))
-            record.restored_tokens = _int_or_none(restored.body.get("n_restored"))
+            self.note_restore(backend, prompt.model, restored, record)
             if info is not None and info.saved_chain and prompt.chain:
                 record.restore_share = common_prefix(info.saved_chain, prompt.chain) / len(prompt.chain)
-            if restored.ok:
-                self.speeds_of(backend, prompt.model).restore.add(restored.ms, record.restored_tokens or 0)
-                if info is not None:
-                    info.restores += 1
+            if restored.ok and info is not None:
+                info.restores += 1
         hit = result.skipped == "resident" or bool(restored is not None and restored.ok)
         record.cache_hit = hit
         if info is not None and hit:
@@ -488,8 +484,7 @@ class Pipeline:
             if held.session is not None:
                 info = self.sessions.get(held.key)
                 if info is not None:
-                    info.saves, info.file_bytes, info.saved_chain = info.saves + 1, n_written, held.chain
-                    info.homes.add(backend.index)
+                    info.saved(backend.index, n_written, held.chain)
             elif held.prompt is not None:
                 self.spawn(self.index.add(held.prompt, backend.url, path))
         elif held.session is None:
@@ -546,22 +541,27 @@ class Pipeline:
             log.info("saving %d unsaved slot cache(s) before stopping", len(jobs))
             await asyncio.wait([asyncio.ensure_future(j) for j in jobs], timeout=timeout)
 
+    def note_restore(self, backend: Backend, model: str, result: SlotAction, record: RequestRecord) -> None:
+        """A restore's answer, in the record and (when it worked) in the backend's restore speed."""
+        record.restored, record.restore_ms = result.ok, result.ms
+        record.restore_bytes = _int_or_none(result.body.get("n_read"))
+        record.restored_tokens = _int_or_none(result.body.get("n_restored"))
+        if result.ok:
+            self.speeds_of(backend, model).restore.add(result.ms, record.restored_tokens or 0)
+
     async def restore(self, choice: Choice, record: RequestRecord) -> None:
         """Load the saved cache into the slot. On failure llama-server clears the slot; a meta whose file is gone
         is dropped. Either way the request goes on."""
         assert choice.restore is not None
         entry, slot = choice.restore.entry, choice.slot
-        result = await self.backends[slot.backend].client.slot_action(slot.id, "restore", entry.key)
-        record.restore_ms = result.ms
-        record.restored = result.ok
-        record.restore_bytes = _int_or_none(result.body.get("n_read"))
-        record.restored_tokens = _int_or_none(result.body.get("n_restored"))
+        backend = self.backends[slot.backend]
+        result = await backend.client.slot_action(slot.id, "restore", entry.key)
+        self.note_restore(backend, entry.model, result, record)
         record.restore_share = choice.restore.ratio
         log.info("restore_before_chat key=%s slot=%s ok=%s n_restored=%s ms=%.1f%s", entry.key[:16], slot.name,
                  str(result.ok).lower(), result.body.get("n_restored"), result.ms,
                  "" if result.ok else f" reason={result.error!r}")
         if result.ok:
-            self.speeds_of(self.backends[slot.backend], entry.model).restore.add(result.ms, record.restored_tokens or 0)
             slot.content = Content(entry.key, entry.chain, saved=True, keep=True, model=entry.model)
             self.spawn(self.index.touch(entry.key))  # the file's timestamp is rewritten off the request's path
         else:
@@ -608,8 +608,7 @@ class Pipeline:
             return content
         info = self.sessions.get(content.key)
         if info is not None:
-            info.saves, info.file_bytes, info.saved_chain = info.saves + 1, record.save_bytes, content.chain
-            info.homes.add(backend.index)
+            info.saved(backend.index, record.save_bytes, content.chain)
         return replace(content, saved=True)
 
     async def save(self, choice: Choice, backend: Backend, prompt: Prompt, record: RequestRecord) -> Content:

@@ -143,6 +143,12 @@ class SessionInfo:
     messages: Sequence[Any] = ()     # its last prompt, to say where the next one differs
     comparison: Comparison | None = None
 
+    def saved(self, backend: int, file_bytes: int | None, chain: tuple[int, ...]) -> None:
+        """Its file was just written by `backend` and holds the prompt of `chain`."""
+        self.saves += 1
+        self.file_bytes, self.saved_chain = file_bytes, chain
+        self.homes.add(backend)
+
     def as_dict(self) -> dict[str, Any]:
         return {"session": self.session, "route": self.route, "file": self.file, "last_use": self.last_use,
                 "requests": self.requests, "cache_hits": self.cache_hits, "restores": self.restores,

@@ -10,13 +10,12 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from lpcache.mock_llama import MockConfig, MockHandle, start_mock
+from lpcache.mock_llama import MockConfig, MockHandle
 from lpcache.mock_llama.__main__ import build_parser, config_from
 from lpcache.mock_llama.tokens import render_chat, tokenize
 
@@ -28,20 +27,14 @@ MakeRouter = Callable[..., MockHandle]
 
 
 @pytest.fixture
-def make_router(tmp_path: Path) -> Iterator[MakeRouter]:
-    """Start stand-in routers (models a, b, c; 2 slots each) saving under tmp_path; all stop at teardown."""
-    handles: list[MockHandle] = []
+def make_router(start_backend: Callable[..., MockHandle]) -> MakeRouter:
+    """Start stand-in routers (models a, b, c; 2 slots each) saving in the test's slot folder; all stop at
+    teardown (conftest's `start_backend`)."""
 
     def make(**overrides: Any) -> MockHandle:
-        settings: dict[str, Any] = {"router": True, "models": ("a", "b", "c"), "slot_save_path": str(tmp_path)}
-        settings.update(overrides)
-        handle = start_mock(MockConfig(**settings))
-        handles.append(handle)
-        return handle
+        return start_backend(**{"router": True, "models": ("a", "b", "c"), **overrides})
 
-    yield make
-    for handle in handles:
-        handle.stop()
+    return make
 
 
 @pytest.fixture
@@ -194,10 +187,10 @@ def test_each_model_has_its_own_slots(client: httpx.Client) -> None:
     assert every["chat_requests"] == 3 and every["requests_by_path"][CHAT] == 3
 
 
-def test_slot_files_are_shared_by_name(client: httpx.Client, tmp_path: Path) -> None:
+def test_slot_files_are_shared_by_name(client: httpx.Client, slot_dir: str) -> None:
     assert chat(client, "a", id_slot=1).status_code == 200
     saved = slot_action(client, "a", 1, "save", filename="shared").json()
-    assert saved["n_saved"] == PROMPT_LEN + 4 - 1 and os.path.exists(tmp_path / "shared")
+    assert saved["n_saved"] == PROMPT_LEN + 4 - 1 and os.path.exists(os.path.join(slot_dir, "shared"))
     restored = slot_action(client, "b", 0, "restore", filename="shared").json()
     assert restored["n_restored"] == saved["n_saved"]
     held = client.get("/mock/slots").json()
