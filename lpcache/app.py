@@ -1,17 +1,21 @@
 """The ASGI app: routes, start and stop, and the one place errors become OpenAI-shaped responses.
 
-Routes: POST /v1/chat/completions (and /chat/completions) through the cache pipeline; GET /v1/models; GET /health;
-everything else is passed to a backend unchanged, so a client pointed at lpcache instead of llama-server loses
-nothing.
+Routes: POST /v1/chat/completions (and /chat/completions) through the cache pipeline; the other generation routes
+through a slot of the pool (`forwarded`); GET /v1/models (the backends' models, merged); GET /health; client slot
+actions refused unless allowed; everything else is passed to a backend unchanged, so a client pointed at lpcache
+instead of llama-server loses nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import shutil
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import aiohttp
 from starlette.applications import Starlette
@@ -22,8 +26,10 @@ from starlette.types import ASGIApp
 
 from . import __version__
 from .backends import Prober, start_backends
+from .cache_files import GIB
 from .config import Settings, describe
 from .errors import BackendUnreachable, BadRequest, ClientGone, ProxyError
+from .forwarded import GENERATION_ROUTES, generate, slot_actions_refused, slot_touched
 from .guard import ApiKeys, read_body
 from .index import MetaIndex
 from .metrics import Metrics
@@ -82,9 +88,29 @@ async def chat_completions(request: Request) -> ASGIApp:
 
 
 async def models(request: Request) -> Response:
-    model_id = _pipeline(request).settings.model_id
-    return OrjsonResponse({"object": "list", "data": [
-        {"id": model_id, "object": "model", "created": int(request.app.state.started), "owned_by": "lpcache"}]})
+    """The backends' models (each backend's /v1/models, merged, the first of each id kept); MODEL_ID when none
+    answers."""
+    pipeline = _pipeline(request)
+    now = time.monotonic()
+
+    async def one(b: Any) -> list[dict[str, Any]]:
+        try:
+            doc = await b.client.get_json("/v1/models")
+        except ProxyError:
+            return []
+        data = doc.get("data") if isinstance(doc, dict) else None
+        return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)] if isinstance(
+            data, list) else []
+
+    found: dict[str, dict[str, Any]] = {}
+    for entries in await asyncio.gather(*(one(b) for b in pipeline.backends if b.available(now))):
+        for m in entries:
+            found.setdefault(m["id"], m)
+    if not found:
+        model_id = pipeline.settings.model_id
+        found[model_id] = {"id": model_id, "object": "model", "created": int(request.app.state.started),
+                           "owned_by": "lpcache"}
+    return OrjsonResponse({"object": "list", "data": list(found.values())})
 
 
 async def health(request: Request) -> Response:
@@ -142,20 +168,41 @@ async def forward(request: Request) -> ASGIApp:
     path_qs = path.decode("latin-1") + (f"?{query.decode('latin-1')}" if query else "")
     headers = {k: v for k, v in request.headers.items()
                if not (pipeline.settings.api_keys and k.lower() == "authorization")}
+    slot_action = request.method == "POST" and request.url.path.startswith("/slots")
+    if slot_action and not pipeline.settings.client_slot_actions:
+        record.status, record.reason = 403, "slot_actions_refused"
+        pipeline.notify(record)
+        return error_response(slot_actions_refused())
     try:
         body = await read_body(request, pipeline.settings.max_body_bytes)
+        if request.method == "POST" and request.url.path in GENERATION_ROUTES:
+            relay = await generate(pipeline.crew, pipeline.settings, request.url.path, path_qs, headers, body,
+                                   record)
+            if relay is not None:
+                return relay
     except ProxyError as e:
+        record.status = e.status
+        pipeline.notify(record)
         return error_response(e)
+    return await pass_on(pipeline, request.method, path_qs, headers, body, record,
+                         touched=request.url.path if slot_action else None)
+
+
+async def pass_on(pipeline: Pipeline, method: str, path_qs: str, headers: dict[str, str], body: bytes,
+                  record: RequestRecord, touched: str | None = None) -> ASGIApp:
+    """To the first backend that can serve, the next one when it cannot be reached."""
     now = time.monotonic()
     order = sorted(pipeline.backends, key=lambda b: not b.available(now))
     error: ProxyError | None = None
     for backend in order:
         try:
-            upstream = await backend.client.forward(request.method, path_qs, headers, body)
+            upstream = await backend.client.forward(method, path_qs, headers, body)
         except BackendUnreachable as e:
             backend.failed(e.message)
             error = e
             continue
+        if touched is not None:
+            slot_touched(pipeline.crew, backend, touched)
         return PassThrough(upstream, record, pipeline.notify)
     assert error is not None
     record.status, record.reason = error.status, "backend_unreachable"
@@ -193,6 +240,21 @@ def proxy_state(pipeline: Pipeline | None, started: float) -> dict[str, object]:
     }
 
 
+def meta_max_bytes(settings: Settings) -> int:
+    """META_MAX_GIB in bytes; `auto`: a quarter of the free space on the disk of the first slot-save folder lpcache
+    sees (the files lpcache already keeps there count as free: they are its to replace), 0 when none is visible."""
+    if settings.meta_max_gib is not None:
+        return int(settings.meta_max_gib * GIB)
+    for folder in settings.slot_save_paths:
+        if os.path.isdir(folder):
+            free = shutil.disk_usage(folder).free
+            ours = sum(e.stat().st_size for e in os.scandir(folder) if e.is_file() and len(e.name) == 64)
+            limit = (free + ours) // 4
+            log.info("meta_max_gib auto=%.1f (a quarter of the free space on %s's disk)", limit / GIB, folder)
+            return limit
+    return 0
+
+
 def create_app(settings: Settings, plugins: Loaded | None = None) -> Starlette:
     """Build the app. Plugins are built from `settings.plugins` unless given (PluginError on a bad spec); backends
     are contacted and the meta index loaded when it starts (ASGI lifespan)."""
@@ -215,7 +277,8 @@ def create_app(settings: Settings, plugins: Loaded | None = None) -> Starlette:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60))
-        index = MetaIndex(settings.meta_dir, settings.words_per_block, settings.meta_max, settings.slot_save_paths)
+        index = MetaIndex(settings.meta_dir, settings.words_per_block, settings.meta_max, settings.slot_save_paths,
+                          meta_max_bytes(settings))
         try:
             backends = await start_backends(settings, session)
             loaded = await asyncio.to_thread(index.load)

@@ -11,43 +11,61 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 import orjson
 
 from .backends import Backend
-from .coalesce import Group, aggregate_sse
+from .coalesce import Coalescer, Group, aggregate_sse
 from .errors import BackendError, BackendUnreachable, ProxyError
 from .llama import error_message
 from .plugins.base import Answer, ChatRequest
 from .prefix import Prompt
 from .record import RequestRecord
 from .relay import Headers
+from .router_models import RouterModels
+from .saving import Saver
 from .sessions import route_name
-from .slots import Choice, Content, Slot
-
-if TYPE_CHECKING:
-    from .pipeline import Pipeline
+from .slot_fill import SlotFiller
+from .slot_truth import SlotTruth
+from .slots import Choice, Content, Slot, SlotPool
 
 log = logging.getLogger("lpcache.attempts")
+
+
+@dataclass(frozen=True)
+class Crew:
+    """What one request's tries work with, handed in by the pipeline."""
+
+    backends: list[Backend]
+    pool: SlotPool
+    filler: SlotFiller
+    saver: Saver
+    routers: RouterModels
+    truth: SlotTruth
+    coalescer: Coalescer
+    request_timeout: float
+    answered: Callable[[ChatRequest, Answer], None]
+    notify: Callable[[RequestRecord], None]
+    spawn: Callable[[Coroutine[Any, Any, Any]], None]
 
 
 class Attempts:
     """The tries of one request. `upstream` is the open answer of the current try."""
 
-    def __init__(self, pipeline: Pipeline, body: dict[str, Any], prompt: Prompt, big: bool, record: RequestRecord,
+    def __init__(self, crew: Crew, body: dict[str, Any], prompt: Prompt, big: bool, record: RequestRecord,
                  client_auth: str | None, view: ChatRequest | None = None, want: Content | None = None) -> None:
         self.view = view                    # when prefilters run: they are told the answer
         self.collected: bytearray | None = bytearray() if view is not None else None
-        self.p = pipeline
+        self.p = crew
         self.body, self.prompt, self.big, self.record, self.client_auth = body, prompt, big, record, client_auth
         self.want = want                    # session mode: the session's cache the slot must hold
-        self.candidate = pipeline.find_saved(prompt) if big and want is None else None
         self.excluded: set[int] = set()    # backends that failed this request
         self.failed: set[Slot] = set()      # slots that failed this request
-        self.deadline = time.monotonic() + pipeline.settings.request_timeout
+        self.deadline = time.monotonic() + crew.request_timeout
         self.choice: Choice | None = None
         self.backend: Backend | None = None
         self.upstream: aiohttp.ClientResponse | None = None
@@ -98,6 +116,12 @@ class Attempts:
         self.p.coalescer.close(self.group)
         self.group = None
 
+    def generated(self) -> None:
+        """The backend's answer is read whole: what is left of the slot's use is bookkeeping (a save), soon done,
+        so a request that wants this slot may wait for it."""
+        if self.choice is not None:
+            self.choice.slot.phase = "save"
+
     def followers(self) -> int:
         return self.group.followers if self.group is not None else 0
 
@@ -114,12 +138,23 @@ class Attempts:
             self.p.notify(self.record)
             return
         choice, backend, self.choice = self.choice, self.backend, None
-        self.p.spawn(self.p.after(choice, backend, self.prompt, self.big, delivered, self.record, self.want))
+        choice.slot.phase = "save"
+        # The prompt was read to its end when the answer (or its first token) came: only then does the slot hold it.
+        prefilled = delivered or self.record.ttft_ms is not None or self.record.cache_n is not None
+        self.p.filler.judge(choice, backend, self.prompt, self.record)
+        self.p.spawn(self.p.saver.after(choice, backend, self.prompt, self.big, self.record, self.want, prefilled,
+                                        self.held_blocks(choice)))
+
+    def held_blocks(self, choice: Choice) -> int:
+        """Identity blocks of the prompt the slot held before the request was sent."""
+        if self.record.restored and self.record.restore_exact and choice.restore is not None:
+            return choice.restore.shared
+        return choice.resident
 
     def cancelled(self) -> None:
         """The client left before the answer started."""
-        if self.choice is not None and self.backend is not None and self.sent and self.big:
-            # The backend was computing: what the slot holds is still worth saving.
+        if self.choice is not None and self.backend is not None and self.sent:
+            # The backend was computing: what the slot held before is still there (nothing partial is saved).
             self.finish(False)
         elif self.choice is not None:
             self.p.pool.release(self.choice.slot, None)
@@ -149,19 +184,20 @@ class Attempts:
 
     async def _once(self) -> aiohttp.ClientResponse:
         self.sent = False
-        await self.p.model_slots(self.prompt.model)
-        await self.p.check_slots()
-        choice = await self.p.take_slot(self.prompt, self.candidate, self.record, self.allowed(), self.want)
+        await self.p.routers.model_slots(self.prompt.model)
+        await self.p.truth.check()
+        choice = await self.p.filler.take_slot(self.prompt, self.record, self.allowed(), self.want)
         backend = self.p.backends[choice.slot.backend]
         self.choice, self.backend = choice, backend
         # what the slot holds if this try fails: what `prepare` left in it (it keeps slot.content true)
         held = True
         try:
-            await self.p.prepare(choice, backend, self.prompt, self.want, self.record)
-            if self.want is None:
-                self.record.cache_hit = bool(self.record.restored) or choice.resident > 0
+            await self.p.filler.prepare(choice, backend, self.prompt, self.want, self.record)
+            if self.want is None and not self.record.restored:
+                self.record.cache_hit = choice.resident > 0
             self.sent = True
             backend.breaker.claim(time.monotonic())   # when half-open, this request is the probe
+            choice.slot.phase = "generate"
             upstream = await backend.client.chat(self.body, choice.slot.id, client_auth=self.client_auth)
         except BackendUnreachable:
             raise

@@ -5,8 +5,14 @@ is marked down (its breaker open) and lpcache starts anyway; the prober asks aga
 backend serves once it answers.
 
 A llama-server router (`/props` says `role: router`, or `"router": true` in BACKENDS) holds many models, each an
-instance with its own slots: its slots are made per model when a request first names it, and lpcache follows
-which models it holds (least recently used first) to save the slots of the one it is about to unload.
+instance with its own slots: its slots are made per model when a request first names it (one of the models its
+`/v1/models` lists), and lpcache follows which models it holds (least recently used first) to save the slots of the
+one it is about to unload.
+
+Every cache is tied to the model that made it: a backend's *fingerprint* is a digest of what `/props` and
+`/v1/models` say of its model (path, chat template, special tokens, size, parameters, vocabulary, training context;
+and the file's size and time when lpcache sees the same path), per model on a router. A file saved under one
+fingerprint is never restored into a server with another: a GGUF swapped behind the same URL starts a new cache.
 
 Each backend has a circuit breaker. A failure (connection refused or reset, timeout, 5xx) opens it for a cooldown
 that doubles with each failure in a row (BREAKER_COOLDOWN_MS up to BREAKER_MAX_COOLDOWN_MS). After the cooldown the
@@ -19,12 +25,16 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import hashlib
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
+import orjson
 
 from .config import BackendConfig, Settings
 from .errors import BackendError, ProxyError
@@ -97,6 +107,10 @@ class Backend:
     model_slots: dict[str, int] = field(default_factory=dict)  # router: slots made per model
     slots_guessed: set[str] = field(default_factory=set)        # router: models whose count is N_SLOTS for now
     last_seen: float = 0.0     # monotonic time of its last good answer (0: never, or it failed since)
+    fingerprint: str | None = None   # the identity of its model (None: not known yet; a router: per model)
+    model_ids: tuple[str, ...] = ()  # what its /v1/models lists (a router: the models it can serve)
+    model_fingerprints: dict[str, str] = field(default_factory=dict)  # router: per model
+    suspect: bool = False      # something may have changed its slots behind lpcache (checked with GET /slots)
 
     @property
     def url(self) -> str:
@@ -120,10 +134,22 @@ class Backend:
         return [Slot(self.index, i, self.config.kv_cache, self.config.slot_save_path, self.url, model=model)
                 for i in range(start, n)]
 
+    def identity(self, route: str) -> str | None:
+        """The fingerprint of the model a request for `route` runs on here (None: unknown, so nothing is cached)."""
+        if self.router:
+            return self.model_fingerprints.get(route)
+        return self.fingerprint
+
     async def discover(self) -> None:
-        """Router or not, and the slot count: from GET /props (a router answers `role: router`)."""
+        """Router or not, the slot count and the model's identity: from GET /props and /v1/models (a router answers
+        `role: router`). Raises ProxyError when the server does not answer."""
         if self.config.router is False and self.slots_known:
-            await self.client.get_json("/health")
+            try:
+                props = await self.client.props()
+            except BackendError:
+                await self.client.get_json("/health")   # a server without /props: no identity, nothing cached
+                return
+            await self.learn_identity(props)
             return
         try:
             props = await self.client.props()
@@ -136,6 +162,7 @@ class Backend:
             if not self.router:
                 log.info("backend_router url=%s: a llama-server router; slots are made per model", self.url)
             self.router, self.slots_known = True, True
+            await self.learn_identity(props)
             return
         n = props.get("total_slots")
         if not self.slots_known:
@@ -143,6 +170,40 @@ class Backend:
                 raise BackendError("/props has no total_slots", status=502)
             self.n_slots, self.slots_known = n, True
             log.info("backend_slots url=%s total_slots=%d (from /props)", self.url, self.n_slots)
+        await self.learn_identity(props)
+
+    async def learn_identity(self, props: dict[str, Any] | None = None) -> bool:
+        """Read the model's identity (and a router's models). True when it changed from a known one: the server now
+        runs another model, and what lpcache believed of its slots is void."""
+        try:
+            if props is None:
+                props = await self.client.props()
+            models = await self.client.get_json("/v1/models")
+        except ProxyError as e:
+            log.debug("identity_unknown url=%s reason=%s", self.url, e.message)
+            return False
+        data = models.get("data") if isinstance(models, dict) else None
+        entries = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)] if isinstance(
+            data, list) else []
+        self.model_ids = tuple(m["id"] for m in entries)
+        if self.router:
+            old = dict(self.model_fingerprints)
+            self.model_fingerprints = {m["id"]: router_model_fingerprint(m) for m in entries}
+            swapped = [k for k, v in old.items() if self.model_fingerprints.get(k, v) != v]
+            for name in swapped:
+                log.warning("backend_model_changed url=%s model=%s: another model file behind the same name; its "
+                            "old caches are not restored", self.url, name)
+            return bool(swapped)
+        fingerprint = model_fingerprint(props, entries[0] if entries else {})
+        changed = self.fingerprint is not None and fingerprint != self.fingerprint
+        if changed:
+            log.warning("backend_model_changed url=%s model_path=%s: the server runs another model than before; "
+                        "caches of the old one are not restored into it", self.url, props.get("model_path"))
+        if self.fingerprint != fingerprint:
+            log.info("backend_model url=%s fingerprint=%s model_path=%s", self.url, fingerprint,
+                     props.get("model_path"))
+        self.fingerprint = fingerprint
+        return changed
 
     def available(self, now: float | None = None) -> bool:
         return self.breaker.available(time.monotonic() if now is None else now)
@@ -159,6 +220,44 @@ class Backend:
             log.info("backend_up url=%s", self.url)
         self.breaker.success()
         self.last_seen = time.monotonic()
+
+
+IDENTITY_PROPS = ("model_path", "chat_template", "bos_token", "eos_token")
+IDENTITY_META = ("n_params", "size", "n_vocab", "n_embd", "n_ctx_train", "vocab_type", "ftype")
+
+
+def _digest(facts: dict[str, Any]) -> str:
+    return hashlib.sha256(orjson.dumps(facts, option=orjson.OPT_SORT_KEYS, default=str)).hexdigest()[:16]
+
+
+def _file_identity(path: Any) -> list[int] | None:
+    """Size and modification time of the model file, when lpcache sees the same path (a file swapped in place)."""
+    if not isinstance(path, str) or not path:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return [st.st_size, st.st_mtime_ns]
+
+
+def model_fingerprint(props: dict[str, Any], model: dict[str, Any]) -> str:
+    """The identity of a single-model server's model, from its /props and its /v1/models entry."""
+    meta: dict[str, Any] = model["meta"] if isinstance(model.get("meta"), dict) else {}
+    facts = {k: props.get(k) for k in IDENTITY_PROPS}
+    facts.update({k: meta.get(k) for k in IDENTITY_META})
+    facts["file"] = _file_identity(props.get("model_path"))
+    return _digest(facts)
+
+
+def router_model_fingerprint(model: dict[str, Any]) -> str:
+    """The identity of one model of a router, from its /v1/models entry: its name, where it comes from, and the
+    model file its instance is started with (the value after -m/--model in its arguments)."""
+    status: dict[str, Any] = model["status"] if isinstance(model.get("status"), dict) else {}
+    args: list[Any] = status["args"] if isinstance(status.get("args"), list) else []
+    path = next((args[i + 1] for i, a in enumerate(args[:-1]) if a in ("-m", "--model")), None)
+    return _digest({"id": model.get("id"), "source": model.get("source"), "path": path,
+                    "file": _file_identity(path)})
 
 
 async def start_backends(settings: Settings, session: aiohttp.ClientSession) -> list[Backend]:

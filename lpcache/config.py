@@ -69,6 +69,9 @@ class Settings:
     max_files: int = 0
     max_gib: float = 0.0
     models_max: int = 4
+    meta_max_gib: float | None = None      # None: auto (a share of the slot-save folder's disk, see `app`)
+    slot_affinity_wait: float = 30.0
+    client_slot_actions: bool = False
     # Plugin specs ({"name", "params"}), in order: from PLUGINS, else translated from the legacy variables.
     plugins: tuple[dict[str, Any], ...] = ()
     # Where each value came from ("flag", "env" or "default"), for the start-up log and for N_SLOTS.
@@ -232,6 +235,13 @@ def _gib(item: Mapping[str, Any], i: int) -> float | None:
     return None if value is None else float(value)
 
 
+def _gib_or_auto(raw: str) -> float | None:
+    """A size in GiB (0 = no limit), or `auto` (None: derived from the disk at start)."""
+    if raw.strip().lower() == "auto":
+        return None
+    return _float(0.0)(raw)
+
+
 def _save_policy(raw: str) -> str:
     value = raw.strip().lower()
     if value not in SAVE_POLICIES:
@@ -275,6 +285,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("META_MAX", "--meta-max", _int(0), "10",
            "Most meta files kept, least recently used deleted first with their KV files; 0 = no limit.",
            metavar="N"),
+    Option("META_MAX_GIB", "--meta-max-gib", _gib_or_auto, "auto",
+           "Most GiB of prefix-mode cache files kept (besides META_MAX), the ones least likely to be used again "
+           "deleted first; 0 = no limit. auto: a quarter of the space free on the disk of the first visible "
+           "slot-save folder at start, plus what the caches already use (no limit when no folder is visible).",
+           metavar="GIB"),
     Option("SLOT_SAVE_PATH", "--slot-save-path", _optional_text, None,
            "The backend's --slot-save-path folder as lpcache sees it (single-backend fallback); pruned KV files "
            "are deleted from it.", metavar="DIR"),
@@ -298,6 +313,15 @@ OPTIONS: tuple[Option, ...] = (
            "Milliseconds between save retries.", metavar="MS"),
     Option("SLOT_WAIT_TIMEOUT", "--slot-wait-timeout", _float(0.0, exclusive_min=True), "300",
            "Seconds a request waits for a free slot before it gets 503 all slots busy.", metavar="SECONDS"),
+    Option("SLOT_AFFINITY_WAIT", "--slot-affinity-wait", _float(0.0), "30",
+           "Longest wait, in seconds, for a busy slot that will hold more of a request's prompt than any idle slot "
+           "or saved cache (its conversation's previous turn, still answered or saved). lpcache waits only while "
+           "the wait is expected to be shorter than the prefill it spares, from the speeds it learnt; 0 = never.",
+           metavar="SECONDS"),
+    Option("CLIENT_SLOT_ACTIONS", "--client-slot-actions", _bool, "false",
+           "Let clients send POST /slots/{id}?action=save|restore|erase through lpcache (refused with 403 "
+           "otherwise: they would change slots behind lpcache's back). GET /slots is always passed on.",
+           metavar="BOOL"),
     Option("COALESCE_REQUESTS", "--coalesce-requests", _bool, "false",
            "Concurrent identical chat requests (same messages, model and generation parameters) share one "
            "backend call.", metavar="BOOL"),
@@ -442,6 +466,9 @@ def load_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] 
         max_files=values["MAX_FILES"],
         max_gib=values["MAX_GIB"],
         models_max=values["MODELS_MAX"],
+        meta_max_gib=values["META_MAX_GIB"],
+        slot_affinity_wait=values["SLOT_AFFINITY_WAIT"],
+        client_slot_actions=values["CLIENT_SLOT_ACTIONS"],
         plugins=plugin_specs(values),
         sources=sources,
     )
@@ -484,6 +511,8 @@ def describe(settings: Settings) -> str:
             value = [spec["name"] for spec in settings.plugins]
         elif o.env.startswith(("REQUEST_LOG", "PREFILTER_")):
             continue
+        elif o.env == "META_MAX_GIB":
+            value = "auto" if settings.meta_max_gib is None else settings.meta_max_gib
         elif o.env == "LPCACHE_API_KEYS":
             value = f"{len(settings.api_keys)} key(s)" if settings.api_keys else "unset"
         else:

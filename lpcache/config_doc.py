@@ -20,7 +20,7 @@ from .plugins.registry import BUILTINS
 GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("Core", "Where lpcache listens, what it logs, and how it decides which prompts to cache.",
      ("HOST", "PORT", "MODEL_ID", "LOG_LEVEL", "WORDS_PER_BLOCK", "BIG_THRESHOLD_WORDS", "LCP_TH", "META_DIR",
-      "META_MAX", "STREAM_QUEUE_SIZE", "COALESCE_REQUESTS")),
+      "META_MAX", "META_MAX_GIB", "STREAM_QUEUE_SIZE", "COALESCE_REQUESTS")),
     ("Backends", "The llama-server instances behind lpcache, and how a failing one is treated.",
      ("BACKENDS", "LLAMA_URL", "N_SLOTS", "SLOT_SAVE_PATH", "LLAMA_API_KEY", "REQUEST_TIMEOUT",
       "BREAKER_COOLDOWN_MS", "BREAKER_MAX_COOLDOWN_MS")),
@@ -29,7 +29,8 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      ("SAVE_RETRIES", "SAVE_RETRY_DELAY_MS", "SAVE_POLICY", "SAVE_IDLE_SECONDS", "MAX_FILES", "MAX_GIB",
       "MODELS_MAX")),
     ("Limits and hardening", "What a client may send and how long it may wait (see [operations.md](operations.md)).",
-     ("SLOT_WAIT_TIMEOUT", "LPCACHE_API_KEYS", "MAX_BODY_BYTES", "SHUTDOWN_TIMEOUT")),
+     ("SLOT_WAIT_TIMEOUT", "SLOT_AFFINITY_WAIT", "LPCACHE_API_KEYS", "CLIENT_SLOT_ACTIONS", "MAX_BODY_BYTES",
+      "SHUTDOWN_TIMEOUT")),
     ("Plugins", "Prefilters, the request log and the dashboard (see [plugins.md](plugins.md)).",
      ("PLUGINS",)),
     ("Request log", "The built-in `request_log` plugin, switched on without writing a `PLUGINS` spec.",
@@ -131,6 +132,7 @@ _KINDS = {
     "_backends": "JSON array",
     "_fields": "field names",
     "_save_policy": " or ".join(f"`{p}`" for p in SAVE_POLICIES),
+    "_gib_or_auto": "GiB (at least 0), or `auto`",
 }
 
 

@@ -4,6 +4,14 @@ The Rust lpcache scans META_DIR on every big request. Here the files are read on
 current on every save, restore and prune, so finding the saved cache that shares the longest prefix with a prompt
 costs one dict lookup per block of the prompt, whatever the number of entries.
 
+An entry lpcache wrote knows exactly what its file holds (the prompt's identity chain, `identity`) and which model
+made it (the server's fingerprint): it is found by that chain, among the entries of the fingerprints that can serve
+the request, and never offered to another model. An entry from the Rust lpcache or proxycache knows only its word
+blocks and client model name: it is found by words, tried, and judged by what the server reports afterwards.
+
+An entry chosen for a restore is protected until the restore is done: neither a newer save that supersedes it nor
+the limits (META_MAX, META_MAX_GIB) delete it meanwhile.
+
 File writes are atomic (a temporary file, then a rename) and go through one worker thread, in order, so a write
 and a delete of the same key never race and the event loop never waits on the disk.
 """
@@ -11,17 +19,18 @@ and a delete of the same key never race and the event loop never waits on the di
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
 import orjson
 
+from .eviction import UsageTable
 from .prefix import Prompt, chain
 
 log = logging.getLogger("lpcache.index")
@@ -33,7 +42,8 @@ FORMAT_VERSION = 1
 
 @dataclass(slots=True)
 class MetaEntry:
-    """One saved cache: the KV file `<key>` in `slot_save_path` of `backend`, described by its block chain."""
+    """One saved cache: the KV file `<key>` in `slot_save_path` of `backend`, described by its word-block chain
+    (lookup) and, when lpcache wrote it, its exact identity chain and the fingerprint of the model that made it."""
 
     key: str
     model: str
@@ -43,6 +53,17 @@ class MetaEntry:
     n_words: int = 0
     backend: str | None = None
     slot_save_path: str | None = None
+    exact: tuple[int, ...] = ()
+    fingerprint: str | None = None
+    n_tokens: int | None = None    # tokens the file holds (the save's n_saved)
+    size: int = 0                  # bytes of the file (the save's n_written; 0: unknown)
+    uses: int = 1                  # uses of this conversation (inherited from the files it replaced), for ...
+    interval: float | None = None  # ... the replacement order (`eviction`): kept in the meta file across restarts
+
+    @property
+    def foreign(self) -> bool:
+        """Written by the Rust lpcache or proxycache (or an older lpcache): no exact chain, no model identity."""
+        return not self.exact or self.fingerprint is None
 
     def readable_by(self, url: str, slot_save_path: str | None) -> bool:
         """A KV file is readable by a server that uses the same slot-save folder, or by the server that wrote it. A
@@ -57,26 +78,40 @@ class MetaEntry:
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
-    """A saved cache worth restoring for a prompt: it shares `shared` whole blocks with it from the start."""
+    """A saved cache worth restoring for a prompt: it shares `shared` identity blocks with it from the start, exactly
+    (`exact`), or, for a foreign entry, as far as its word blocks tell (converted to identity blocks)."""
 
     entry: MetaEntry
     shared: int
     ratio: float
+    exact: bool = True
 
 
-def meta_document(prompt: Prompt, wpb: int, timestamp: float, backend: str | None,
-                  slot_save_path: str | None) -> dict:
-    """The JSON of a meta file: block hashes, model id, words per block, timestamp, and where the KV file is."""
+def prefix_file(key: str, fingerprint: str) -> str:
+    """The file name of a prefix cache: the request's key and the model that made it (two models sharing one
+    slot-save folder never write the same name)."""
+    return hashlib.sha256(f"{fingerprint}\n{key}".encode()).hexdigest()
+
+
+def meta_document(entry: MetaEntry, blocks: Sequence[str]) -> dict:
+    """The JSON of a meta file: the Rust lpcache's fields (block hashes, model id, words per block, timestamp), where
+    the KV file is, and what it exactly holds and which model made it."""
     return {
         "version": FORMAT_VERSION,
-        "key": prompt.key,
-        "model_id": prompt.model,
-        "wpb": wpb,
-        "blocks": list(prompt.blocks),
-        "n_words": prompt.n_words,
-        "timestamp": timestamp,
-        "backend": backend,
-        "slot_save_path": slot_save_path,
+        "key": entry.key,
+        "model_id": entry.model,
+        "wpb": entry.wpb,
+        "blocks": list(blocks),
+        "n_words": entry.n_words,
+        "timestamp": entry.timestamp,
+        "backend": entry.backend,
+        "slot_save_path": entry.slot_save_path,
+        "exact": [f"{d:016x}" for d in entry.exact],
+        "fingerprint": entry.fingerprint,
+        "n_tokens": entry.n_tokens,
+        "bytes": entry.size,
+        "uses": entry.uses,
+        "interval": entry.interval,
     }
 
 
@@ -99,10 +134,21 @@ def entry_from_document(key: str, doc: object) -> MetaEntry:
         raise ValueError("n_words is not an integer")
     backend = doc.get("backend")
     path = doc.get("slot_save_path")
+    exact = doc.get("exact", [])
+    if not isinstance(exact, list) or not all(isinstance(d, str) and len(d) == 16 for d in exact):
+        raise ValueError("exact is not a list of 64-bit hex digests")
+    fingerprint, n_tokens, size = doc.get("fingerprint"), doc.get("n_tokens"), doc.get("bytes", 0)
+    uses, interval = doc.get("uses", 1), doc.get("interval")
     return MetaEntry(
         key=key, model=model, wpb=wpb, chain=chain(blocks), timestamp=float(timestamp), n_words=n_words,
         backend=backend if isinstance(backend, str) else None,
         slot_save_path=path if isinstance(path, str) else None,
+        exact=tuple(int(d, 16) for d in exact),
+        fingerprint=fingerprint if isinstance(fingerprint, str) else None,
+        n_tokens=n_tokens if isinstance(n_tokens, int) else None,
+        size=size if isinstance(size, int) and size > 0 else 0,
+        uses=uses if isinstance(uses, int) and uses > 0 else 1,
+        interval=float(interval) if isinstance(interval, int | float) and interval > 0 else None,
     )
 
 
@@ -128,22 +174,28 @@ def _unlink(path: str) -> bool:
 
 
 class MetaIndex:
-    """Meta files on disk, their LRU order, and a prefix index for restore lookups.
+    """Meta files on disk, their replacement order, and prefix indexes for restore lookups.
 
-    `_prefixes[model][chain[i]]` holds the key (or the set of keys) of the entries whose first i+1 blocks are those
-    of that chain digest; `_ends` the same for entries whose chain ends there, to find entries a new save makes
-    redundant.
+    `_exact[fingerprint][d]` holds the key (or the set of keys) of the entries of that model whose first i+1 identity
+    blocks have the chain digest d; `_words[model]` the same over word blocks for foreign entries. `_ends` holds, per
+    fingerprint, the entries whose chain ends at a digest, to find the entries a new save makes redundant.
     """
 
     def __init__(self, meta_dir: str, words_per_block: int, meta_max: int,
-                 slot_save_paths: Iterable[str] = ()) -> None:
+                 slot_save_paths: Iterable[str] = (), max_bytes: int = 0) -> None:
         self.meta_dir = meta_dir
         self.wpb = words_per_block
         self.meta_max = meta_max
+        self.max_bytes = max_bytes
         self.slot_save_paths = tuple(slot_save_paths)
-        self._entries: OrderedDict[str, MetaEntry] = OrderedDict()  # least recently used first
-        self._prefixes: dict[str, dict[int, str | set[str]]] = {}
+        self._entries: dict[str, MetaEntry] = {}
+        self._usage = UsageTable()   # uses, sizes and the replacement order
+        self._exact: dict[str, dict[int, str | set[str]]] = {}
+        self._words: dict[str, dict[int, str | set[str]]] = {}
         self._ends: dict[str, dict[int, str | set[str]]] = {}
+        self._protected: dict[str, int] = {}
+        self.evicted = 0          # entries deleted by the limits since start
+        self.lost = 0             # restores that found their entry gone (see `lost_restore`)
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lpcache-meta")
 
     def __len__(self) -> int:
@@ -154,6 +206,11 @@ class MetaIndex:
 
     def get(self, key: str) -> MetaEntry | None:
         return self._entries.get(key)
+
+    @property
+    def total_bytes(self) -> int:
+        """The size of the files of the entries, as the servers reported them when saving."""
+        return self._usage.total_bytes
 
     # ---- start-up ----
 
@@ -180,29 +237,48 @@ class MetaIndex:
 
     # ---- lookups ----
 
-    def find(self, prompt: Prompt, usable: Callable[[MetaEntry], bool] = lambda e: True,
-             threshold: float = 0.0) -> Candidate | None:
-        """The usable entry sharing the most whole blocks with the prompt, if its share reaches `threshold`.
+    def find(self, prompt: Prompt, fingerprints: Collection[str] = (),
+             usable: Callable[[MetaEntry], bool] = lambda e: True, threshold: float = 0.0) -> Candidate | None:
+        """The usable entry sharing the most identity blocks with the prompt, exactly, among the entries of the
+        given model fingerprints; a foreign entry (word blocks only) when it shares more, as far as words tell.
+        None when the best share is below `threshold` (of the prompt's identity blocks).
 
         Longest shared prefix wins, not the highest ratio: a cached system prompt alone must not beat a long
         conversation. Cost: one dict lookup per shared block, plus the entries tied at the deepest level.
         """
-        prefixes = self._prefixes.get(prompt.model)
-        if not prefixes or not prompt.chain:
+        total = len(prompt.exact)
+        if not total:
+            return None
+        best: Candidate | None = None
+        for fingerprint in fingerprints:
+            found = self._deepest(self._exact.get(fingerprint), prompt.exact, usable)
+            if found is not None and (best is None or found[1] > best.shared or (
+                    found[1] == best.shared and found[0].timestamp > best.entry.timestamp)):
+                best = Candidate(found[0], found[1], found[1] / total)
+        if prompt.chain:
+            found = self._deepest(self._words.get(prompt.model), prompt.chain, usable)
+            if found is not None:
+                shared = found[1] * total // len(prompt.chain)
+                if shared and (best is None or shared > best.shared):
+                    best = Candidate(found[0], shared, shared / total, exact=False)
+        if best is None or best.ratio < threshold:
+            return None
+        return best
+
+    def _deepest(self, table: dict[int, str | set[str]] | None, chain: tuple[int, ...],
+                 usable: Callable[[MetaEntry], bool]) -> tuple[MetaEntry, int] | None:
+        if not table:
             return None
         levels: list[str | set[str]] = []
-        for digest in prompt.chain:
-            holders = prefixes.get(digest)
+        for digest in chain:
+            holders = table.get(digest)
             if holders is None:
                 break
             levels.append(holders)
-        total = len(prompt.chain)
         for depth in range(len(levels), 0, -1):
-            if depth / total < threshold:
-                return None
-            best = self._most_recent(levels[depth - 1], usable)
-            if best is not None:
-                return Candidate(best, depth, depth / total)
+            entry = self._most_recent(levels[depth - 1], usable)
+            if entry is not None:
+                return entry, depth
         return None
 
     def _most_recent(self, holders: str | set[str], usable: Callable[[MetaEntry], bool],
@@ -217,35 +293,60 @@ class MetaIndex:
                 best = entry
         return best
 
+    # ---- protection of a chosen candidate ----
+
+    def protect(self, key: str) -> None:
+        """A request chose this entry for a restore: nothing deletes it until `unprotect`."""
+        self._protected[key] = self._protected.get(key, 0) + 1
+
+    def unprotect(self, key: str) -> None:
+        n = self._protected.get(key, 0) - 1
+        if n > 0:
+            self._protected[key] = n
+        else:
+            self._protected.pop(key, None)
+
     # ---- changes ----
 
-    async def add(self, prompt: Prompt, backend: str | None, slot_save_path: str | None) -> list[MetaEntry]:
-        """Record a cache just saved as `<key>`: write its meta file, drop the entries it makes redundant (their
-        chain is a prefix of its own, in the same folder), then prune beyond META_MAX. Returns what was removed."""
+    async def add(self, prompt: Prompt, key: str, backend: str | None, slot_save_path: str | None,
+                  fingerprint: str | None, n_tokens: int | None = None, size: int | None = None) -> list[MetaEntry]:
+        """Record a cache just saved as the file `key`: write its meta file, drop the entries it makes redundant
+        (their identity chain is a prefix of its own, same model and folder; their history of uses carries over),
+        then prune beyond the limits. Returns what was removed."""
         now = time.time()
-        doc = meta_document(prompt, self.wpb, now, backend, slot_save_path)
-        old = self._entries.get(prompt.key)
+        old = self._entries.get(key)
+        entry = MetaEntry(key, prompt.model, self.wpb, prompt.chain, now, prompt.n_words, backend, slot_save_path,
+                          prompt.exact, fingerprint, n_tokens, size or 0)
         if old is not None:
-            self._remove(old)
-        entry = MetaEntry(prompt.key, prompt.model, self.wpb, prompt.chain, now, prompt.n_words,
-                          backend, slot_save_path)
+            self._unindex(old)
         removed = self._redundant(entry)
+        self._insert(entry, [r.key for r in removed])   # it takes over their history of uses
         for r in removed:
             self._remove(r)
-        self._insert(entry)
         removed += self._over_limit(keep=entry.key)
-        data = orjson.dumps(doc)
+        data = orjson.dumps(meta_document(entry, prompt.blocks))
         await self._run(self._write_and_delete, entry.key, data, removed)
         return removed
 
     async def touch(self, key: str) -> None:
-        """A restore is a use: the entry moves to the young end of the LRU and its file's timestamp is bumped."""
+        """A restore is a use: the entry moves to the young end and its file's timestamp is bumped."""
         entry = self._entries.get(key)
         if entry is None:
             return
-        entry.timestamp = time.time()
-        self._entries.move_to_end(key)
-        await self._run(self._bump_file, key, entry.timestamp)
+        self.note_use(key)
+        await self._run(self._bump_file, key, entry.timestamp, entry.uses, entry.interval)
+
+    def note_use(self, key: str) -> None:
+        """The cache was used (restored, or continued in the slot that holds it): its rhythm for the replacement
+        order. Written to its meta file with its next save or restore."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return
+        now = time.time()
+        self._usage.use(key, now)
+        usage = self._usage.get(key)
+        if usage is not None:
+            entry.timestamp, entry.uses, entry.interval = now, usage.uses, usage.interval
 
     async def discard_if_stale(self, key: str) -> bool:
         """After a rejected restore: delete the meta when its KV file is gone from every visible slot-save folder.
@@ -261,10 +362,24 @@ class MetaIndex:
 
         if not await self._run(gone_everywhere) or self._entries.get(key) is not entry:
             return False
+        await self.drop(key, "stale")
+        return True
+
+    async def drop(self, key: str, why: str) -> None:
+        """Delete an entry and its files (a foreign cache the server did not reuse, a stale one)."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return
         self._remove(entry)
         await self._run(self._write_and_delete, None, b"", [entry])
-        log.info("meta_stale_removed key=%s", key)
-        return True
+        log.info("meta_removed key=%s reason=%s", key, why)
+
+    def file_present(self, entry: MetaEntry, slot_save_path: str | None) -> bool | None:
+        """Whether the entry's KV file is in the folder a server reads (None: the folder is not visible here)."""
+        folder = slot_save_path or entry.slot_save_path
+        if not folder or not os.path.isdir(folder):
+            return None
+        return os.path.isfile(os.path.join(folder, entry.key))
 
     async def forget(self, key: str, slot_save_path: str | None) -> None:
         """After a failed save: the server writes in place, so the file `<key>` may be partial. Drop its meta and
@@ -305,49 +420,81 @@ class MetaIndex:
     # ---- internals ----
 
     def _redundant(self, new: MetaEntry) -> list[MetaEntry]:
-        ends = self._ends.get(new.model, {})
+        if new.foreign:
+            return []
+        ends = self._ends.get(new.fingerprint or "", {})
         found = []
-        for digest in new.chain:
+        for digest in new.exact:
             holders = ends.get(digest)
             if holders is None:
                 continue
             for key in ((holders,) if isinstance(holders, str) else tuple(holders)):
                 e = self._entries[key]
-                if e.key != new.key and e.slot_save_path == new.slot_save_path and e.backend == new.backend:
+                if (e.key != new.key and e.slot_save_path == new.slot_save_path and e.backend == new.backend
+                        and key not in self._protected):
                     found.append(e)
         return found
 
     def _over_limit(self, keep: str) -> list[MetaEntry]:
+        """Delete by the replacement order (`eviction`) until META_MAX and META_MAX_GIB hold, never `keep` nor a
+        protected entry."""
         removed: list[MetaEntry] = []
-        if self.meta_max <= 0:
+        over = (self.meta_max > 0 and len(self._entries) > self.meta_max) or (
+            self.max_bytes > 0 and self._usage.total_bytes > self.max_bytes)
+        if not over:
             return removed
-        while len(self._entries) > self.meta_max:
-            oldest = next(iter(self._entries.values()))
-            if oldest.key == keep:
-                break
-            self._remove(oldest)
-            removed.append(oldest)
+        spare = {keep, *self._protected}
+        for key in self._usage.victims(time.time(), self.meta_max, self.max_bytes, spare):
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._remove(entry)
+                removed.append(entry)
+        self.evicted += len(removed)
         return removed
 
-    def _insert(self, entry: MetaEntry) -> None:
-        self._entries[entry.key] = entry
-        self._entries.move_to_end(entry.key)
+    def _table(self, entry: MetaEntry) -> tuple[dict[int, str | set[str]], tuple[int, ...]] | None:
+        if not entry.foreign:
+            return self._exact.setdefault(entry.fingerprint or "", {}), entry.exact
         if entry.wpb != self.wpb or not entry.chain:
+            return None
+        return self._words.setdefault(entry.model, {}), entry.chain
+
+    def _insert(self, entry: MetaEntry, supersedes: Sequence[str] | None = None) -> None:
+        """Index an entry; `supersedes` None: read back at start (its history is in its meta file)."""
+        self._entries[entry.key] = entry
+        if supersedes is None:
+            self._usage.load(entry.key, entry.size, entry.timestamp, entry.interval, entry.uses)
+        else:
+            usage = self._usage.add(entry.key, entry.size, entry.timestamp, supersedes)
+            entry.uses, entry.interval = usage.uses, usage.interval
+        found = self._table(entry)
+        if found is None:
             return
-        prefixes = self._prefixes.setdefault(entry.model, {})
-        for digest in entry.chain:
-            _add_holder(prefixes, digest, entry.key)
-        _add_holder(self._ends.setdefault(entry.model, {}), entry.chain[-1], entry.key)
+        table, chain_ = found
+        for digest in chain_:
+            _add_holder(table, digest, entry.key)
+        if not entry.foreign:
+            _add_holder(self._ends.setdefault(entry.fingerprint or "", {}), entry.exact[-1], entry.key)
 
     def _remove(self, entry: MetaEntry) -> None:
-        if self._entries.pop(entry.key, None) is None:
+        if self._entries.get(entry.key) is not entry:
             return
-        if entry.wpb != self.wpb or not entry.chain:
+        self._usage.remove(entry.key)
+        self._unindex(entry)
+
+    def _unindex(self, entry: MetaEntry) -> None:
+        """Out of the lookup tables and the entry list (its usage record stays: an entry saved again under the
+        same name keeps its history)."""
+        if self._entries.get(entry.key) is entry:
+            del self._entries[entry.key]
+        found = self._table(entry)
+        if found is None:
             return
-        prefixes = self._prefixes.get(entry.model, {})
-        for digest in entry.chain:
-            _drop_holder(prefixes, digest, entry.key)
-        _drop_holder(self._ends.get(entry.model, {}), entry.chain[-1], entry.key)
+        table, chain_ = found
+        for digest in chain_:
+            _drop_holder(table, digest, entry.key)
+        if not entry.foreign:
+            _drop_holder(self._ends.get(entry.fingerprint or "", {}), entry.exact[-1], entry.key)
 
     async def _run(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
@@ -363,18 +510,20 @@ class MetaIndex:
             except OSError as e:
                 log.warning("meta_write_failed key=%s reason=%s", key, e)
         for entry in removed:
+            if entry.key in self._entries:
+                continue   # saved again meanwhile (same name): its new file and meta stay
             _unlink(self._meta_path(entry.key))
             for folder in {entry.slot_save_path, *self.slot_save_paths}:
                 if folder and _unlink(os.path.join(folder, entry.key)):
                     log.debug("kv_file_removed key=%s folder=%s", entry.key, folder)
             log.info("meta_removed key=%s", entry.key)
 
-    def _bump_file(self, key: str, timestamp: float) -> None:
+    def _bump_file(self, key: str, timestamp: float, uses: int, interval: float | None) -> None:
         path = self._meta_path(key)
         try:
             with open(path, "rb") as f:
                 doc = orjson.loads(f.read())
-            doc["timestamp"] = timestamp
+            doc["timestamp"], doc["uses"], doc["interval"] = timestamp, uses, interval
             write_atomic(path, orjson.dumps(doc))
         except (OSError, ValueError, TypeError) as e:
             log.warning("meta_touch_failed key=%s reason=%s", key, e)

@@ -130,16 +130,24 @@ class LlamaClient:
                         self.url, action, status)
         return SlotAction(status == 200, status, doc, _ms(started))
 
+    async def slots(self, model: str | None = None) -> list[dict[str, Any]] | None:
+        """GET /slots (of one model's instance on a router, never loading it): one object per slot, or None when the
+        server does not tell (no /slots endpoint, not a list). Raises BackendUnreachable, or BackendError (a router's
+        unloaded model answers 400)."""
+        path = "/slots" if model is None else f"/slots?{urlencode({'model': model, 'autoload': 'false'})}"
+        listing = await self.get_json(path)
+        if not isinstance(listing, list):
+            return None
+        return [s for s in listing if isinstance(s, dict)]
+
     async def slot_busy(self, slot: int, model: str | None = None) -> bool:
         """Whether the slot is processing a request (GET /slots, is_processing). False when the server does not
         tell (no /slots endpoint, an error): the caller then acts at once. On a router, never loads the model."""
-        path = "/slots" if model is None else f"/slots?{urlencode({'model': model, 'autoload': 'false'})}"
         try:
-            slots = await self.get_json(path)
+            slots = await self.slots(model)
         except (BackendUnreachable, BackendError):
             return False
-        return isinstance(slots, list) and any(
-            isinstance(s, dict) and s.get("id") == slot and bool(s.get("is_processing")) for s in slots)
+        return slots is not None and any(s.get("id") == slot and bool(s.get("is_processing")) for s in slots)
 
     async def props(self, model: str | None = None) -> dict[str, Any]:
         """GET /props (of one model's instance on a router, without loading it). Raises BackendUnreachable or

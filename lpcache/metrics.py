@@ -50,11 +50,21 @@ class _Live(Collector):
         yield GaugeMetricFamily("lpcache_sessions", "Sessions (X-Session-ID) seen since start", value=len(p.sessions))
         idle = CounterMetricFamily("lpcache_background_saves", "Slot saves outside requests (idle, shutdown, "
                                    "a router about to unload a model)", labels=["result"])
-        idle.add_metric(["ok"], p.background.saves_ok)
-        idle.add_metric(["failed"], p.background.saves_failed)
+        idle.add_metric(["ok"], p.saver.background.saves_ok)
+        idle.add_metric(["failed"], p.saver.background.saves_failed)
         yield idle
         yield CounterMetricFamily("lpcache_background_save_bytes", "Bytes those saves wrote",
-                                  value=p.background.bytes)
+                                  value=p.saver.background.bytes)
+        yield CounterMetricFamily("lpcache_cache_evictions", "Saved caches deleted by META_MAX or META_MAX_GIB",
+                                  value=p.index.evicted)
+        yield CounterMetricFamily("lpcache_restores_lost", "Restores whose chosen cache's file was gone before they "
+                                  "ran", value=p.index.lost)
+        yield CounterMetricFamily("lpcache_slot_beliefs_corrected", "Slots found holding something else than "
+                                  "lpcache believed (GET /slots)", value=p.truth.corrected)
+        yield CounterMetricFamily("lpcache_reuse_verdicts", "Times a backend's model was found not to reuse "
+                                  "restored caches", value=p.reuse.turned_off)
+        yield GaugeMetricFamily("lpcache_cache_bytes", "Bytes of the saved prefix caches, as the servers reported "
+                                "them", value=p.index.total_bytes)
 
 
 class Metrics:

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from .identity import Identity, canonical_text, chain_of
 
 # \w plus the combining marks, as Rust's Unicode \w has them: "cafe\u0301" stays one word.
 _WORD = re.compile(r"[\w\u0300-\u036f\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe20-\ufe2f]+")
@@ -60,7 +62,7 @@ def block_hashes(word_list: Sequence[str], words_per_block: int) -> list[str]:
 
 
 def cache_key(model_id: str, raw: str) -> str:
-    """sha256(model_id + "\\n" + raw_prefix): the name of a cache's meta and KV files."""
+    """sha256(model_id + "\\n" + text): the request's key (lpcache keys by its canonical text, `identity`)."""
     return hashlib.sha256(f"{model_id}\n{raw}".encode()).hexdigest()
 
 
@@ -83,19 +85,48 @@ def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
     return i
 
 
+def tool_text(messages: Sequence[Any], template: Mapping[str, Any] | None = None) -> str:
+    """What the model reads besides the message contents: tool calls' names and arguments, and the tool
+    definitions. It counts towards a request's words (an agent's prompt is mostly there), not its blocks."""
+    parts = []
+    for m in messages:
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        if isinstance(calls, list):
+            for call in calls:
+                fn = call.get("function") if isinstance(call, dict) else None
+                if isinstance(fn, dict):
+                    parts += [str(fn.get("name", "")), str(fn.get("arguments", ""))]
+    tools = template.get("tools") if template else None
+    if isinstance(tools, list):
+        parts.append(str(tools))
+    return "\n".join(parts)
+
+
 @dataclass(frozen=True)
 class Prompt:
-    """What the cache knows of one chat request: its key, word count, block hashes and chain."""
+    """What the cache knows of one chat request: its key, word count, word blocks and their chain (the lookup), and
+    its exact identity chain (`identity`: what decides)."""
 
     model: str
     key: str
     n_words: int
     blocks: tuple[str, ...]
     chain: tuple[int, ...]
+    exact: tuple[int, ...] = ()
+    chars: int = 0
 
     @classmethod
-    def of(cls, model: str, messages: Sequence[Any], words_per_block: int) -> Prompt:
+    def of(cls, model: str, messages: Sequence[Any], words_per_block: int,
+           template: Mapping[str, Any] | None = None) -> Prompt:
+        """`template`: the request's fields that shape its rendered prompt (`identity.template_fields`)."""
         raw = raw_prefix(messages)
         word_list = words(raw)
+        extra = tool_text(messages, template)
+        n_words = len(word_list) + (len(words(extra)) if extra else 0)
         blocks = block_hashes(word_list, words_per_block)
-        return cls(model, cache_key(model, raw), len(word_list), tuple(blocks), chain(blocks))
+        text = canonical_text(messages, template)
+        return cls(model, cache_key(model, text), n_words, tuple(blocks), chain(blocks), chain_of(text), len(text))
+
+    @property
+    def identity(self) -> Identity:
+        return Identity(self.exact, self.chars)

@@ -53,6 +53,9 @@ class RequestRecord:
     restore_share: float | None = None # share of the prompt's blocks the restored cache held
     restore_reused: bool | None = None # False: the server re-computed the prompt anyway (see Pipeline.check_reuse)
     restore_skipped: bool | None = None  # True: a prefill was faster at this backend's speeds (lpcache.speeds)
+    restore_exact: bool | None = None  # the restored file's content matched the prompt exactly (not a word guess)
+    restore_expected: float | None = None  # tokens the restore should have brought (judged against cache_n)
+    restore_lost: bool | None = None   # True: the chosen cache's file was gone before its restore (eviction)
     saved: bool | None = None
     save_ms: float | None = None
     save_bytes: int | None = None      # written by the server to the slot file

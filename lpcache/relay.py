@@ -85,6 +85,8 @@ class Source(Protocol):
 
     def followers(self) -> int: ...
 
+    def generated(self) -> None: ...
+
     def finish(self, delivered: bool, complete: bool | None = None) -> None: ...
 
 
@@ -105,6 +107,7 @@ class JsonRelay:
                 assert upstream is not None
                 try:
                     raw = await upstream.read()
+                    self.source.generated()
                     break
                 except (aiohttp.ClientError, TimeoutError) as e:
                     await self.source.retry(e)   # nothing went to the client yet: try elsewhere
@@ -167,6 +170,7 @@ class SseRelay:
                     self.record.ttft_ms = (time.perf_counter() - self.started) * 1000.0
                 self._scan(chunk)
                 await queue.put(chunk)
+            self.source.generated()
         except (aiohttp.ClientError, TimeoutError) as e:
             end = e
         finally:

@@ -34,16 +34,19 @@ def route_name(model: str) -> str:
     return model.removeprefix("openai/")
 
 
-def route_tag(route: str) -> str:
-    """Readable and file-safe, told apart by a hash of the exact name: `Qwen3_8B-1a2b3c4d`."""
-    return _UNSAFE.sub("_", route)[:ROUTE_TAG_CHARS] + "-" + hashlib.sha256(route.encode()).hexdigest()[:8]
+def route_tag(route: str, fingerprint: str | None = None) -> str:
+    """Readable and file-safe, told apart by a hash of the exact name and of the model's identity (when known,
+    `backends.model_fingerprint`): `Qwen3_8B-1a2b3c4d`. A model swapped behind the same name gets another tag, so
+    its sessions never restore the old model's files."""
+    ident = route if fingerprint is None else f"{route}\n{fingerprint}"
+    return _UNSAFE.sub("_", route)[:ROUTE_TAG_CHARS] + "-" + hashlib.sha256(ident.encode()).hexdigest()[:8]
 
 
-def session_filename(route: str, session: str) -> str:
+def session_filename(route: str, session: str, fingerprint: str | None = None) -> str:
     """`<route tag>_<session>.bin`. Raises ValueError for a session id that is not 32 lower-case hex digits."""
     if session_id(session) is None:
         raise ValueError("not a session id")
-    return f"{route_tag(route)}_{session}.bin"
+    return f"{route_tag(route, fingerprint)}_{session}.bin"
 
 
 @dataclass(frozen=True)

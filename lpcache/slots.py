@@ -12,7 +12,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .errors import SlotsBusy
 from .index import Candidate
@@ -21,8 +21,8 @@ from .prefix import Prompt, common_prefix
 
 @dataclass(frozen=True, slots=True)
 class Content:
-    """What a slot's KV cache holds, as far as lpcache knows: the file name it is saved under (a prefix cache's key,
-    or a session's `<route tag>_<id>.bin`) and the block chain of its last prompt."""
+    """What a slot's KV cache holds, as far as lpcache knows: the file name it is saved under (a prefix cache's file,
+    or a session's `<route tag>_<id>.bin`) and the exact identity chain of its last prompt (`Prompt.exact`)."""
 
     key: str
     chain: tuple[int, ...]
@@ -31,6 +31,8 @@ class Content:
     session: str | None = None    # the session id, for a session's cache
     prompt: Prompt | None = None  # a prefix cache's prompt (for its meta file when it is saved later)
     model: str = ""               # the request's model: its route, and on a router the instance that holds it
+    tokens: int | None = None     # tokens in the slot when known (checked against GET /slots n_prompt_tokens)
+    fingerprint: str | None = None  # the identity of the model that made it (`backends.Backend.fingerprint`)
 
     @property
     def dirty(self) -> bool:
@@ -51,6 +53,8 @@ class Slot:
     content: Content | None = None
     pending: Content | None = None   # while busy: what it will hold once the request in it is done
     model: str | None = None         # on a router: the model whose instance has this slot
+    phase: str = ""                  # while busy: "prefill", "generate", "save" (for the cost of waiting)
+    free_at: float | None = None     # while busy: when it is expected to be free (monotonic), when known
 
     @property
     def name(self) -> str:
@@ -67,18 +71,23 @@ class Choice:
 
     slot: Slot
     restore: Candidate | None = None
-    resident: int = 0  # blocks of the prompt the slot already holds
+    resident: int = 0       # identity blocks of the prompt the slot already holds
+    skipped: bool = False   # a saved cache held more, but restoring it would take longer than the prefill
+
+
+Pays = Callable[[Slot, Candidate, int], bool]
 
 
 def choose(idle: Sequence[Slot], prompt: Prompt | None, candidate: Candidate | None,
-           session: str | None = None, homes: frozenset[int] = frozenset()) -> Choice:
+           session: str | None = None, homes: frozenset[int] = frozenset(), pays: Pays | None = None) -> Choice:
     """Pick among idle slots.
 
     0. In session mode (`session`: the session's file name): the slot that holds the session, else the least
        recently used one (never-used first) on a backend whose folder has the session's file (`homes`), else
        anywhere; the caller swaps the session in.
-    1. A slot that already holds at least as long a prefix as the best saved cache: no restore at all.
-    2. Else, when a saved cache shares more: restore it into a slot whose server can read its file.
+    1. When a saved cache holds more of the prompt than any idle slot: restore it into the coldest slot whose server
+       can read it, if `pays(slot, candidate, blocks gained over the best resident slot)` (default: yes).
+    2. Else the slot that already holds the longest exact prefix of the prompt: no restore at all.
     3. Else a never-used slot, else the least recently used one.
     """
     if session is not None:
@@ -87,82 +96,105 @@ def choose(idle: Sequence[Slot], prompt: Prompt | None, candidate: Candidate | N
                 return Choice(slot, None, len(slot.content.chain))
         at_home = [s for s in idle if s.backend in homes]
         return Choice(_coldest(at_home or idle), None, 0)
-    best_slot: Slot | None = None
-    best = (0, 0.0)  # (shared blocks, last use): the longest resident prefix, the freshest on a tie
-    if prompt is not None and prompt.chain:
-        for slot in idle:
-            if slot.content is not None:
-                rank = (common_prefix(slot.content.chain, prompt.chain), slot.last_used)
-                if rank[0] and rank > best:
-                    best_slot, best = slot, rank
-    best_shared = best[0]
-    disk = candidate.shared if candidate is not None else 0
-    if best_slot is not None and best_shared >= disk:
-        return Choice(best_slot, None, best_shared)
-    if candidate is not None:
+    best_slot, best_shared = resident(idle, prompt)
+    if candidate is not None and candidate.shared > best_shared:
         readers = [s for s in idle if s.can_read(candidate)]
         if readers:
-            return Choice(_coldest(readers), candidate, 0)
+            target = _coldest(readers)
+            if pays is None or pays(target, candidate, candidate.shared - best_shared):
+                return Choice(target, candidate, 0)
+            if best_slot is not None:
+                return Choice(best_slot, None, best_shared, skipped=True)
+            return Choice(_coldest(idle), None, 0, skipped=True)
     if best_slot is not None:
         return Choice(best_slot, None, best_shared)
     return Choice(_coldest(idle), None, 0)
 
 
-def worth_waiting_for(slots: Sequence[Slot], prompt: Prompt | None, candidate: Candidate | None,
-                      allowed: Callable[[Slot], bool] | None = None, session: str | None = None) -> Slot | None:
-    """A busy slot that will hold far more of the prompt than any idle slot or saved cache: typically the previous
-    turn of the same conversation, still generating or being saved. Waiting for it beats a prefill elsewhere.
-    "Far more": at least a quarter of the prompt's blocks (and 2 blocks) beyond the best alternative. In session
-    mode: the busy slot that holds (or is about to hold) the session."""
+def resident(slots: Sequence[Slot], prompt: Prompt | None) -> tuple[Slot | None, int]:
+    """The slot holding the longest exact prefix of the prompt (the freshest on a tie), and that many blocks."""
+    best_slot: Slot | None = None
+    best = (0, 0.0)
+    if prompt is not None and prompt.exact:
+        for slot in slots:
+            if slot.content is not None:
+                rank = (common_prefix(slot.content.chain, prompt.exact), slot.last_used)
+                if rank[0] and rank > best:
+                    best_slot, best = slot, rank
+    return best_slot, best[0]
+
+
+Budget = Callable[[Slot | None, int], float]
+
+
+@dataclass(frozen=True)
+class WaitPlan:
+    """Busy slots worth waiting for (`wanted`), at most `seconds`, rather than taking an idle slot at once."""
+
+    wanted: Callable[[Slot], bool]
+    seconds: float
+
+
+def wait_plan(slots: Sequence[Slot], prompt: Prompt | None, candidate: Candidate | None,
+              allowed: Callable[[Slot], bool] | None, session: str | None, homes: frozenset[int],
+              budget: Budget) -> WaitPlan | None:
+    """Whether to wait for a busy slot, and how long: a cost decision. `budget(slot, blocks)` is the longest wait
+    that still beats prefilling `blocks` elsewhere (0: do not wait), from the learnt speeds and what the busy slot
+    is doing (`Slot.phase`, `Slot.free_at`).
+
+    - In session mode: the busy slot that holds (or is about to hold) the session; else, when the session's file is
+      only on busy backends (`homes`), their slots.
+    - In prefix mode: the busy slot that will hold more of the prompt than any idle slot or saved cache (the previous
+      turn of the same conversation, still answered or saved); else, when the best saved cache is only readable by
+      busy slots, those.
+    """
+    ok: Callable[[Slot], bool] = allowed or (lambda s: True)
+    n = len(prompt.exact) if prompt is not None else 0
     if session is not None:
         for slot in slots:
             held = (slot.pending or slot.content) if slot.busy else None
-            if held is not None and held.key == session and (allowed is None or allowed(slot)):
-                return slot
+            if held is not None and held.key == session and ok(slot):
+                seconds = budget(slot, n)
+                return WaitPlan(_only(slot), seconds) if seconds > 0 else None
+        mine = [s for s in slots if ok(s) and s.backend in homes]
+        if homes and mine and all(s.busy for s in mine):
+            seconds = budget(_soonest(mine), n)
+            return WaitPlan(lambda s: s.backend in homes, seconds) if seconds > 0 else None
         return None
-    if prompt is None or not prompt.chain:
+    if prompt is None or not prompt.exact:
         return None
     best: Slot | None = None
-    busy_shared, other = 0, candidate.shared if candidate is not None else 0
+    busy_shared, idle_shared = 0, 0
     for slot in slots:
-        if allowed is not None and not allowed(slot):
+        if not ok(slot):
             continue
         held = (slot.pending or slot.content) if slot.busy else slot.content
-        shared = common_prefix(held.chain, prompt.chain) if held is not None else 0
+        shared = common_prefix(held.chain, prompt.exact) if held is not None else 0
         if slot.busy and shared > busy_shared:
             best, busy_shared = slot, shared
         elif not slot.busy:
-            other = max(other, shared)
-    if best is not None and busy_shared - other >= max(2, len(prompt.chain) // 4):
-        return best
+            idle_shared = max(idle_shared, shared)
+    disk = candidate.shared if candidate is not None else 0
+    if best is not None and busy_shared > max(idle_shared, disk):
+        seconds = budget(best, busy_shared - max(idle_shared, disk))
+        if seconds > 0:
+            return WaitPlan(_only(best), seconds)
+    if candidate is not None and disk > idle_shared:
+        readers = [s for s in slots if ok(s) and s.can_read(candidate)]
+        if readers and all(s.busy for s in readers):
+            seconds = budget(_soonest(readers), disk - idle_shared)
+            if seconds > 0:
+                return WaitPlan(lambda s: s.can_read(candidate), seconds)
     return None
 
 
-def preferred(slots: Sequence[Slot], prompt: Prompt | None, candidate: Candidate | None,
-              allowed: Callable[[Slot], bool] | None = None, session: str | None = None,
-              homes: frozenset[int] = frozenset()) -> Callable[[Slot], bool] | None:
-    """The slots worth a bounded wait when none of them is idle, rather than an idle slot elsewhere that would
-    prefill: the busy slot of `worth_waiting_for`; in session mode, the slots of the backends whose folder has the
-    session's file; in prefix mode, the slots that can read the saved cache when it holds far more of the prompt than
-    any idle slot (a server with one slot is often busy for the few milliseconds of the previous request's save)."""
-    target = worth_waiting_for(slots, prompt, candidate, allowed, session)
-    if target is not None:
-        return lambda s: s is target
-    ok: Callable[[Slot], bool] = allowed or (lambda s: True)
+def _only(target: Slot) -> Callable[[Slot], bool]:
+    return lambda s: s is target
 
-    def only(want: Callable[[Slot], bool]) -> Callable[[Slot], bool] | None:
-        mine = [s for s in slots if ok(s) and want(s)]
-        return want if mine and all(s.busy for s in mine) else None
 
-    if session is not None:
-        return only(lambda s: s.backend in homes) if homes else None
-    if candidate is None or prompt is None or not prompt.chain:
-        return None
-    idle_best = max((common_prefix(s.content.chain, prompt.chain) for s in slots
-                     if not s.busy and ok(s) and s.content is not None), default=0)
-    if candidate.shared - idle_best < max(2, len(prompt.chain) // 4):
-        return None
-    return only(lambda s: s.can_read(candidate))
+def _soonest(slots: Sequence[Slot]) -> Slot:
+    """The busy slot expected to be free first (unknown: last)."""
+    return min(slots, key=lambda s: (s.free_at is None, s.free_at or 0.0, s.backend, s.id))
 
 
 def _coldest(slots: Sequence[Slot]) -> Slot:
@@ -170,13 +202,46 @@ def _coldest(slots: Sequence[Slot]) -> Slot:
     return min(slots, key=lambda s: (s.used, s.last_used, s.backend, s.id))
 
 
+Lookup = Callable[[], Candidate | None]
+
+
+def _no_candidate() -> Candidate | None:
+    return None
+
+
+@dataclass(eq=False)
+class Want:
+    """What a request asks of the pool: its prompt, how to find its best saved cache (called when a slot is handed
+    out, so a cache saved or pruned meanwhile is seen), the slots it may take, its session, the backends holding
+    the session's file, and whether a restore pays (`choose`)."""
+
+    prompt: Prompt | None = None
+    lookup: Lookup = _no_candidate
+    allowed: Callable[[Slot], bool] | None = None
+    session: str | None = None
+    homes: frozenset[int] = frozenset()
+    pays: Pays | None = None
+    protect: Callable[[str], None] | None = None    # called with the candidate's key when one is chosen
+    unprotect: Callable[[str], None] | None = None  # ... and when the slot is given back unused
+
+    def choose(self, idle: Sequence[Slot]) -> Choice:
+        choice = choose(idle, self.prompt, self.lookup(), self.session, self.homes, self.pays)
+        if choice.restore is not None and self.protect is not None:
+            self.protect(choice.restore.entry.key)   # on the event loop, before anything else can prune it
+        return choice
+
+    def given_back(self, choice: Choice) -> None:
+        if choice.restore is not None and self.unprotect is not None:
+            self.unprotect(choice.restore.entry.key)
+
+    def only(self, wanted: Callable[[Slot], bool]) -> Want:
+        allowed = self.allowed
+        return replace(self, allowed=wanted if allowed is None else (lambda s: allowed(s) and wanted(s)))
+
+
 @dataclass(eq=False)
 class _Waiter:
-    prompt: Prompt | None
-    candidate: Candidate | None
-    allowed: Callable[[Slot], bool] | None
-    session: str | None
-    homes: frozenset[int]
+    want: Want
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -200,15 +265,13 @@ class SlotPool:
         self.slots.extend(slots)
         self.wake()
 
-    async def acquire(self, prompt: Prompt | None, candidate: Candidate | None = None,
-                      allowed: Callable[[Slot], bool] | None = None, timeout: float | None = None,
-                      session: str | None = None, homes: frozenset[int] = frozenset()) -> Choice:
-        """Take a slot (among those `allowed`, when given); raise SlotsBusy (503) when none comes free within the
-        wait timeout (`timeout`, else the pool's)."""
-        idle = self.idle(allowed)
+    async def acquire(self, want: Want, timeout: float | None = None) -> Choice:
+        """Take a slot (among those `want.allowed`); raise SlotsBusy (503) when none comes free within the wait
+        timeout (`timeout`, else the pool's)."""
+        idle = self.idle(want.allowed)
         if idle and not self._waiters:
-            return self._take(choose(idle, prompt, candidate, session, homes))
-        waiter = _Waiter(prompt, candidate, allowed, session, homes)
+            return self._take(want.choose(idle))
+        waiter = _Waiter(want)
         self._waiters.append(waiter)
         self.wake()
         try:
@@ -220,11 +283,24 @@ class SlotPool:
             if waiter in self._waiters:
                 self._waiters.remove(waiter)
             elif waiter.future.done() and not waiter.future.cancelled():
-                self.release(waiter.future.result().slot)  # it got a slot just as it gave up
+                got = waiter.future.result()   # it got a slot just as it gave up
+                want.given_back(got)
+                self.release(got.slot)
             waiter.future.cancel()
             if isinstance(e, TimeoutError):
                 raise SlotsBusy("all slots busy", code="all_slots_busy") from None
             raise
+
+    async def take(self, want: Want, plan: WaitPlan | None, timeout: float | None = None) -> tuple[Choice, bool]:
+        """The two-phase wait: when `plan` names busy slots worth waiting for, wait for one of them up to
+        `plan.seconds`, then for any allowed slot up to the pool's timeout. Returns the choice and whether it came
+        from the plan."""
+        if plan is not None:
+            try:
+                return await self.acquire(want.only(plan.wanted), min(plan.seconds, timeout or self.wait_timeout)), True
+            except SlotsBusy:
+                pass
+        return await self.acquire(want, timeout), False
 
     def release(self, slot: Slot, content: Content | None | bool = True, used: bool = True) -> None:
         """Give a slot back. `content`: what it now holds (True: unchanged, None: unknown). `used` False: it
@@ -233,6 +309,7 @@ class SlotPool:
             return
         slot.busy = False
         slot.pending = None
+        slot.phase, slot.free_at = "", None
         if used:
             slot.last_used = time.monotonic()
         if content is not True:
@@ -259,11 +336,10 @@ class SlotPool:
             if waiter.future.done():
                 self._waiters.remove(waiter)
                 continue
-            idle = self.idle(waiter.allowed)
+            idle = self.idle(waiter.want.allowed)
             if not idle:
                 if not self.idle():
                     return
                 continue
             self._waiters.remove(waiter)
-            choice = choose(idle, waiter.prompt, waiter.candidate, waiter.session, waiter.homes)
-            waiter.future.set_result(self._take(choice))
+            waiter.future.set_result(self._take(waiter.want.choose(idle)))

@@ -1,20 +1,26 @@
-"""How fast each backend prefills and restores, learnt from what it reports, to tell whether a restore pays.
+"""How fast each backend prefills, generates, saves and restores, learnt from what it reports: the costs behind
+every "restore or prefill?" and "wait for that busy slot or go elsewhere?" decision.
 
-A restore reads the whole file (every token of the saved prompt, and its context checkpoints) before the server
-computes the rest of the prompt; a prefill computes the shared part instead. On a fast GPU with a slow disk, or
-for a short shared part of a long saved prompt, the prefill can be the quicker one. The rates are exponentially
-weighted averages of `timings.prompt_ms / prompt_n` (prefill) and of the restore's time per restored token;
-until both are known, lpcache restores (the usual case: a CPU or a consumer GPU prefills far slower than a disk
-reads).
+A restore reads the whole file before the server computes the rest of the prompt; a prefill computes the shared part
+instead. On a fast GPU with a slow disk, or for a short shared part of a long saved prompt, the prefill can be the
+quicker one. The rates are exponentially weighted averages of `timings.prompt_ms / prompt_n` (prefill),
+`predicted_ms / predicted_n` (generation) and the save's and restore's time per token; until a rate is known, the
+decisions that need it take their safe default (restore; wait only for a slot that is saving).
+
+Identity blocks (`identity.BLOCK_CHARS` characters of canonical text) are turned into tokens with the characters
+per token seen on this backend (canonical text is JSON-escaped: a little longer than what the template renders).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from .identity import BLOCK_CHARS
 
 ALPHA = 0.3             # weight of the newest measurement
 MIN_TOKENS = 32         # measurements over fewer tokens are mostly fixed costs: not used
 MARGIN = 1.0            # restore when its time is below MARGIN x the prefill time it saves
+CHARS_PER_TOKEN = 4.0   # until measured
 
 
 @dataclass
@@ -27,24 +33,62 @@ class Rate:
         value = ms / tokens
         self.ms_per_token = value if self.ms_per_token is None else (1 - ALPHA) * self.ms_per_token + ALPHA * value
 
+    def seconds(self, tokens: float) -> float | None:
+        return None if self.ms_per_token is None else self.ms_per_token * tokens / 1000.0
+
 
 @dataclass
 class Speeds:
     """One backend and model."""
 
-    prefill: Rate
-    restore: Rate
+    prefill: Rate = field(default_factory=Rate)
+    restore: Rate = field(default_factory=Rate)
+    generate: Rate = field(default_factory=Rate)
+    save: Rate = field(default_factory=Rate)
+    chars_per_token: float | None = None
 
     @classmethod
     def new(cls) -> Speeds:
-        return cls(Rate(), Rate())
+        return cls()
 
-    def restore_pays(self, file_tokens: int, reused_tokens: int) -> bool:
-        """Whether restoring a file of `file_tokens` tokens beats prefilling the `reused_tokens` it would spare."""
+    def learn_chars(self, chars: int, tokens: int | None) -> None:
+        """A request of `chars` canonical characters had `tokens` prompt tokens."""
+        if tokens is None or tokens < MIN_TOKENS or chars <= 0:
+            return
+        value = chars / tokens
+        old = self.chars_per_token
+        self.chars_per_token = value if old is None else (1 - ALPHA) * old + ALPHA * value
+
+    def tokens_of(self, blocks: int) -> float:
+        """Tokens in `blocks` identity blocks, as far as this backend's ratio tells."""
+        return blocks * BLOCK_CHARS / (self.chars_per_token or CHARS_PER_TOKEN)
+
+    def restore_pays(self, file_tokens: int, reused_tokens: float) -> bool:
+        """Whether restoring a file of `file_tokens` tokens beats prefilling the `reused_tokens` it would spare
+        (the tokens it brings beyond what the chosen slot already holds)."""
         p, r = self.prefill.ms_per_token, self.restore.ms_per_token
         if p is None or r is None:
             return True
         return r * file_tokens < MARGIN * p * reused_tokens
 
     def describe(self) -> dict[str, float | None]:
-        return {"prefill_ms_per_token": self.prefill.ms_per_token, "restore_ms_per_token": self.restore.ms_per_token}
+        return {"prefill_ms_per_token": self.prefill.ms_per_token, "restore_ms_per_token": self.restore.ms_per_token,
+                "generate_ms_per_token": self.generate.ms_per_token, "save_ms_per_token": self.save.ms_per_token}
+
+
+class SpeedBook:
+    """The speeds of every (backend, model) pair. Keys are backends and the models a router really serves (never
+    a client's free-form model string), so the book stays bounded."""
+
+    def __init__(self) -> None:
+        self._speeds: dict[tuple[int, str], Speeds] = {}
+
+    def of(self, backend: int, model: str) -> Speeds:
+        key = (backend, model)
+        speeds = self._speeds.get(key)
+        if speeds is None:
+            speeds = self._speeds[key] = Speeds()
+        return speeds
+
+    def __len__(self) -> int:
+        return len(self._speeds)

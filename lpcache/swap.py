@@ -1,6 +1,7 @@
-"""Moving caches in and out of one llama-server slot: save what it holds (when it changed since its last save),
-then restore the cache the next request needs. The proxy's pipeline and the LiteLLM hook both use this module, so
-a session behaves the same behind either.
+"""Every `/slots` call lpcache makes, and moving caches in and out of one llama-server slot: save what it holds
+(when it changed since its last save), then restore the cache the next request needs. Prefix mode, session mode,
+idle and shutdown saves, the liveness check and the LiteLLM hook all come through here, so a slot call is made
+the same way everywhere: on a router it always names the model (and a save never loads an unloaded one).
 
 Slot actions go only to an idle slot: llama-server parks a save/restore/erase while the slot processes a request
 and releases one parked call per finished request, so a call sent to a busy slot could hold up other clients.
@@ -17,8 +18,10 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 from .cache_files import CacheFolder, Limits
+from .errors import BackendError, ProxyError
 from .llama import LlamaClient, SlotAction
 from .slots import Content
 
@@ -81,6 +84,39 @@ async def wait_idle(client: LlamaClient, slot: int, model: str | None = None,
     return True
 
 
+async def restore_file(client: LlamaClient, slot: int, name: str, model: str | None = None) -> SlotAction:
+    """Restore the file `name` into the slot. A failure clears the slot on the server."""
+    result = await client.slot_action(slot, "restore", name, model=model)
+    log.info("slot_restore url=%s slot=%d file=%s model=%s: %s", client.url, slot, name, model or "-",
+             describe(result))
+    return result
+
+
+async def listing(client: LlamaClient, model: str | None = None) -> list[dict[str, Any]] | None:
+    """GET /slots: what the server says each slot holds (`n_prompt_tokens`) and whether it is busy. None when it
+    does not tell; a router's model that is not loaded has nothing (empty list). Raises BackendUnreachable."""
+    try:
+        return await client.slots(model)
+    except BackendError:
+        return [] if model is not None else None
+
+
+async def decoded(client: LlamaClient, slot: int, model: str | None = None) -> int | None:
+    """Tokens the slot's last task generated (GET /slots, `next_token[0].n_decoded`): more than 0 means its prompt
+    was read to its end. None when the server does not tell."""
+    try:
+        slots = await listing(client, model)
+    except ProxyError:
+        return None
+    for s in slots or ():
+        if s.get("id") == slot:
+            nxt = s.get("next_token")
+            first = nxt[0] if isinstance(nxt, list) and nxt else nxt
+            n = first.get("n_decoded") if isinstance(first, dict) else None
+            return n if isinstance(n, int) else None
+    return None
+
+
 async def save(client: LlamaClient, slot: int, content: Content, folders: Folders | None,
                model: str | None = None, keep: frozenset[str] = frozenset()) -> tuple[SlotAction, tuple[str, ...]]:
     """Save the slot under `content.key`; after a session's save, apply its route's limits (never deleting the
@@ -128,9 +164,7 @@ async def bring_in(client: LlamaClient, slot: int, held: Content | None, want: C
         log.info("slot_restore url=%s slot=%d file=%s model=%s: no file yet (first request of the session)",
                  client.url, slot, want.key, model or "-")
         return swap
-    swap.restored = await client.slot_action(slot, "restore", want.key, model=model)
-    log.info("slot_restore url=%s slot=%d file=%s model=%s: %s", client.url, slot, want.key, model or "-",
-             "miss" if swap.restored.status == 400 else describe(swap.restored))
+    swap.restored = await restore_file(client, slot, want.key, model)
     if swap.restored.ok:
         swap.held = replace(want, saved=True)
         if folder is not None:

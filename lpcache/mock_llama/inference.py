@@ -37,13 +37,18 @@ class SlotStreamingResponse(StreamingResponse):
 
 
 def render_messages(body: dict[str, Any]) -> str:
+    """The chat prompt of a request body (messages and tools), the same for the chat route, /apply-template and
+    /v1/chat/completions/input_tokens (see `tokens.render_chat`)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' is required and must be a non-empty array")
     if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
         raise ApiError(400, "every message must be an object with a string 'role'")
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise ApiError(400, "'tools' must be an array")
     try:
-        return render_chat(messages)
+        return render_chat(messages, tools)
     except ValueError as exc:
         raise ApiError(400, str(exc)) from exc
 

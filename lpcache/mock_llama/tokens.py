@@ -7,6 +7,7 @@ and answer, in every process, so tests can predict cache hits exactly.
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 import re
 from collections.abc import Iterator, Sequence
@@ -56,24 +57,96 @@ class Vocab:
         return self._pieces.get(tid)
 
 
+def image_marker(url: str) -> str:
+    """The stand-in's rendering of an image: one marker per image, named by a digest of its URL (a multimodal
+    llama-server puts the image's own tokens there; another image gives other tokens)."""
+    return f"<__image_{hashlib.sha256(url.encode()).hexdigest()[:8]}__>"
+
+
 def content_text(content: Any) -> str:
-    """The text of a message's content: a string, or the concatenated text parts of an array."""
+    """The text of a message's content: a string, or the concatenated parts of an array: text parts as they are,
+    image parts with a url as `image_marker(url)`; other parts (and image parts without a url) are left out."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(
-            part["text"]
-            for part in content
-            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-        )
+        out = []
+        for part in content:
+            if not isinstance(part, dict):
+                continue
+            if part.get("type") == "text" and isinstance(part.get("text"), str):
+                out.append(part["text"])
+            elif part.get("type") == "image_url":
+                image = part.get("image_url")
+                if isinstance(image, dict) and isinstance(image.get("url"), str):
+                    out.append(image_marker(image["url"]))
+        return "".join(out)
     raise ValueError("message content must be a string or an array of parts")
 
 
-def render_chat(messages: Sequence[dict[str, Any]]) -> str:
-    """Render messages with a ChatML template and open the assistant's turn."""
-    out = [f"<|im_start|>{m['role']}\n{content_text(m.get('content'))}<|im_end|>\n" for m in messages]
+def to_json(value: Any) -> str:
+    """JSON as a chat template's `tojson` writes it (Python's separators, non-ASCII kept)."""
+    return json.dumps(value, ensure_ascii=False)
+
+
+def render_tool_call(call: Any) -> str:
+    r"""`<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>`; string arguments are parsed as JSON, as
+    llama-server does before it renders them (a string that is not JSON is rendered as a JSON string)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ValueError("every tool call must be an object with a 'function' that has a string 'name'")
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            pass
+    return f'<tool_call>\n{{"name": {to_json(function["name"])}, "arguments": {to_json(arguments)}}}\n</tool_call>'
+
+
+def _header(message: dict[str, Any], role: str) -> str:
+    name = message.get("name")
+    return f"<|im_start|>{role} name={name}\n" if isinstance(name, str) and name else f"<|im_start|>{role}\n"
+
+
+def render_chat(messages: Sequence[dict[str, Any]], tools: Sequence[Any] | None = None) -> str:
+    r"""Render messages as a ChatML template does (Qwen 2.5's rules for tools) and open the assistant's turn.
+
+    A plain message (a role, text content) is `<|im_start|>{role}\n{text}<|im_end|>\n`, as it always was here.
+    The rest changes the prompt as it does on a real llama-server, so requests that differ only in it get
+    different tokens:
+    - `tools`: a system turn of their own before the messages, `<|im_start|>system\n# Tools\n\n<tools>\n` then
+      one JSON per tool and line, then `\n</tools><|im_end|>\n`. (Qwen 2.5 appends them to the first system
+      message instead; here every message renders as it would in a request without tools.)
+    - an assistant's `tool_calls`: after its content, each as `render_tool_call`, on lines of their own.
+    - `tool` messages: as in Qwen 2.5, `<tool_response>\n{content}\n</tool_response>` in a user turn, consecutive
+      ones in the same turn (`tool_call_id` is not rendered, as there).
+    - `name`: in the turn's header, `<|im_start|>user name=alice\n` (a tool message's in its `<tool_response>` tag).
+      Many templates drop it; rendering it is the conservative choice for a proxy's tests.
+    - image parts: `image_marker(url)` where the part is, as if the model were multimodal.
+    """
+    out = []
+    if tools:
+        out.append("<|im_start|>system\n# Tools\n\n<tools>\n" + "\n".join(to_json(t) for t in tools))
+        out.append("\n</tools><|im_end|>\n")
+    for i, m in enumerate(messages):
+        role, text = m["role"], content_text(m.get("content"))
+        if role == "tool":
+            if i == 0 or messages[i - 1]["role"] != "tool":
+                out.append("<|im_start|>user")
+            name = m.get("name")
+            tag = f"<tool_response name={name}>" if isinstance(name, str) and name else "<tool_response>"
+            out.append(f"\n{tag}\n{text}\n</tool_response>")
+            if i == len(messages) - 1 or messages[i + 1]["role"] != "tool":
+                out.append("<|im_end|>\n")
+            continue
+        calls = m.get("tool_calls")
+        if calls is not None and role == "assistant":
+            if not isinstance(calls, list):
+                raise ValueError("'tool_calls' must be an array")
+            text = "\n".join(([text] if text else []) + [render_tool_call(c) for c in calls])
+        out.append(f"{_header(m, role)}{text}<|im_end|>\n")
     out.append("<|im_start|>assistant\n")
     return "".join(out)
 

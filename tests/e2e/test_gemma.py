@@ -167,4 +167,4 @@ def test_with_swa_full_a_restore_is_reused(tmp_path: Path, caplog: pytest.LogCap
         assert NOT_REUSED not in server.log_text()
         assert not [r for r in caplog.records if r.getMessage().startswith("restore_not_reused")]
         assert metric(proxy, "lpcache_restores_not_reused_total") == 0
-        assert proxy.pipeline.kv_off == set()
+        assert proxy.pipeline.reuse.turned_off == 0

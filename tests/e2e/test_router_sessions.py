@@ -50,11 +50,11 @@ def test_sessions_survive_the_router_unloading_their_model(router: RealRouter | 
         first = ask(proxy, "a", S1, a)
         assert {s.model for s in proxy.pipeline.pool.slots} == {"a"}
         ask(proxy, "b", S2, b)                           # the router unloads a: its slot is saved first
-        assert proxy.pipeline.background.saves_ok == 1
+        assert proxy.pipeline.saver.background.saves_ok == 1
         assert sorted(httpx.get(f"{router.url}/models", timeout=30).json()["data"][i]["status"]["value"]
                       for i in range(2)) == ["loaded", "unloaded"]
         back = ask(proxy, "a", S1, a + " And then?")     # b saved, a reloaded, S1 restored into it
-        assert proxy.pipeline.background.saves_ok == 2
+        assert proxy.pipeline.saver.background.saves_ok == 2
         record = proxy.records[-1]
         assert record.restored is True
         prompt = first["usage"]["prompt_tokens"]

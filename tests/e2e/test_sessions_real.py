@@ -70,7 +70,7 @@ def run_through_lpcache(server: LlamaServer, workload: list[Turn], tmp_path: Any
         records = list(proxy.records)
     finally:
         proxy.stop()    # with evict, the slot's last cache is saved now
-    background = proxy.pipeline.background.bytes
+    background = proxy.pipeline.saver.background.bytes
     run = Run(seconds=time.perf_counter() - started)
     run.computed = sum(a["timings"]["prompt_n"] for a in answers)
     run.prompt = sum(a["timings"]["prompt_n"] + a["timings"]["cache_n"] for a in answers)

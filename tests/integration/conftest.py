@@ -70,3 +70,18 @@ def start_proxy(tmp_path: Any) -> Iterator[Callable[..., Proxy]]:
 @pytest.fixture
 def proxy(start_proxy: Callable[..., Proxy], backend: MockHandle) -> Proxy:
     return start_proxy(backend)
+
+
+def stand_in_fingerprint(**config: Any) -> str:
+    """The model fingerprint lpcache computes for a stand-in of this config (its /props and /v1/models), which
+    names its session files and tags its prefix caches."""
+    from starlette.testclient import TestClient
+
+    from lpcache.backends import model_fingerprint
+    from lpcache.mock_llama import create_app
+
+    with TestClient(create_app(MockConfig(**config))) as c:
+        return model_fingerprint(c.get("/props").json(), c.get("/v1/models").json()["data"][0])
+
+
+STAND_IN_FP = stand_in_fingerprint()

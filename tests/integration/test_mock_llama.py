@@ -15,6 +15,7 @@ import httpx
 import orjson
 import pytest
 
+from lpcache import chats
 from lpcache.mock_llama import MockConfig, MockHandle, create_app, start_mock
 from lpcache.mock_llama.__main__ import build_parser, config_from
 from lpcache.mock_llama.faults import Faults
@@ -555,3 +556,60 @@ async def test_api_key(make_mock: MakeMock) -> None:
         assert (await c.get("/v1/models", headers={"Authorization": "Bearer sekrit"})).status_code == 200
         assert (await c.post(CHAT, json={"messages": USER}, headers={"X-Api-Key": "sekrit"})).status_code == 200
         assert (await c.get("/mock/stats")).status_code == 200
+
+
+# --- chat template: tools, tool calls, names, images (bodies from lpcache.chats) ------------------------------------
+
+
+def chat_tokens(body: dict[str, Any]) -> list[str]:
+    return tokenize(render_chat(body["messages"], body.get("tools")))
+
+
+async def test_routes_render_tools_tool_calls_and_images_alike(client: httpx.AsyncClient) -> None:
+    body = chats.conversation(2, chats.harness(2), turns=5, n_words=200, images=True)[-1]
+    prompt = render_chat(body["messages"], body["tools"])
+    assert all(marker in prompt for marker in ("<tools>", "<tool_call>", "<tool_response>", "<__image_", " name="))
+    assert (await client.post("/apply-template", json=body)).json() == {"prompt": prompt}
+    counted = (await client.post("/v1/chat/completions/input_tokens", json=body)).json()
+    assert counted == {"input_tokens": len(tokenize(prompt))}
+    answer = (await client.post(CHAT, json=body | {"max_tokens": 2})).json()
+    assert answer["usage"]["prompt_tokens"] == len(tokenize(prompt))
+    assert (await client.post(CHAT, json=body | {"tools": {"get_time": {}}})).status_code == 400
+    broken = body | {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "x"}]}]}
+    assert (await client.post("/apply-template", json=broken)).status_code == 400
+
+
+async def test_prefix_reuse_follows_token_lcp_in_a_tool_conversation(client: httpx.AsyncClient) -> None:
+    """A slot reuses the token LCP of what it holds and the new prompt: the last prompt and answer after a text
+    answer, the last prompt only after a tool call (the fake model's answer was not that call), and, for a
+    near-duplicate, up to where the rendered prompts part."""
+    held: list[str] = []
+
+    async def send(body: dict[str, Any]) -> tuple[str, int]:
+        """The answer and its cache_n, checked against the token LCP; the slot then holds prompt and answer."""
+        nonlocal held
+        prompt = chat_tokens(body)
+        answer = (await client.post(CHAT, json=body | {"id_slot": 0, "max_tokens": 4})).json()
+        cache_n: int = answer["timings"]["cache_n"]
+        assert cache_n == min(lcp(held, prompt), len(prompt) - 1)
+        text: str = answer["choices"][0]["message"]["content"]
+        held = prompt + tokenize(text)[:-1]
+        return text, cache_n
+
+    conv = chats.Conversation(4, chats.harness(4), turns=7, n_words=300, images=True)
+    body = conv.body
+    tool_turns = []
+    for _ in range(6):
+        answer, _ = await send(body)
+        n_prompt = len(chat_tokens(body))
+        tool_turns.append(conv.next_is_tool)
+        body = conv.advance(answer)
+        assert lcp(held, chat_tokens(body)) == (n_prompt if tool_turns[-1] else len(held))
+    await send(body)
+    assert True in tool_turns and False in tool_turns
+    variants = chats.variants(body)
+    assert set(variants) == set(chats.KINDS)
+    for other in variants.values():
+        await send(body)
+        _, cache_n = await send(other)
+        assert cache_n < len(chat_tokens(other)) - 1, "the server computes again from where they part"

@@ -11,10 +11,11 @@ from typing import Any
 import httpx
 import pytest
 
+from lpcache.index import prefix_file
 from lpcache.sessions import route_tag, session_filename
 
 from ..conftest import figures, user, words
-from .conftest import mock_stats
+from .conftest import STAND_IN_FP, mock_stats
 
 BIG = 200    # words: big with the test threshold of 50
 SMALL = 20
@@ -31,7 +32,7 @@ def files(slot_dir: str) -> list[str]:
 
 
 def name(session: str, route: str = ROUTE) -> str:
-    return session_filename(route, session)
+    return session_filename(route, session, STAND_IN_FP)
 
 
 @pytest.fixture
@@ -44,7 +45,7 @@ def test_session_request_saves_under_route_and_session(start_proxy: Any, one_slo
     r = proxy.push(user(words(1, BIG)), sid(S1))
     assert r.status_code == 200
     assert files(slot_dir) == [name(S1)]
-    assert name(S1).startswith("llama_cpp-" + route_tag(ROUTE)[-8:])
+    assert name(S1).startswith("llama_cpp-" + route_tag(ROUTE, STAND_IN_FP)[-8:])
     assert os.listdir(proxy.settings.meta_dir) == [] if os.path.isdir(proxy.settings.meta_dir) else True
     assert proxy.records[-1].session == S1 and proxy.records[-1].saved is True
 
@@ -118,7 +119,7 @@ def test_bad_session_header_falls_back_to_prefix_mode(start_proxy: Any, one_slot
     assert r.status_code == 200
     assert proxy.records[-1].session is None
     [saved] = files(slot_dir)
-    assert saved == proxy.records[-1].key                 # the prefix-mode key, nothing from the header
+    assert saved == prefix_file(proxy.records[-1].key, STAND_IN_FP)   # the prefix-mode name, nothing from the header
     assert header not in saved or header == ""
     assert proxy.client.get("/lpcache/sessions").json()["data"] == []
 
@@ -159,14 +160,14 @@ def test_evict_policy_saves_on_idle_and_a_request_restarts_the_wait(start_proxy:
     a = words(1, BIG)
     proxy.push(user(a), sid(S1))
     [slot] = proxy.pipeline.pool.slots
-    first = proxy.pipeline.idle_saves[slot]
+    first = proxy.pipeline.saver.idle_saves[slot]
     proxy.push(user(a + " more"), sid(S1))                 # a request cancels the pending idle save
     assert first.cancelled() or first.done() and files(slot_dir) == []
-    second = proxy.pipeline.idle_saves[slot]
+    second = proxy.pipeline.saver.idle_saves[slot]
     assert second is not first
     proxy.run(_wait(second))
     assert files(slot_dir) == [name(S1)]
-    assert proxy.pipeline.background.saves_ok == 1 and slot.content is not None and slot.content.saved
+    assert proxy.pipeline.saver.background.saves_ok == 1 and slot.content is not None and slot.content.saved
     assert not slot.busy
     # Already on disk: the next swap does not write it again.
     saves = mock_stats(one_slot)["saves"]
@@ -214,7 +215,7 @@ def test_eager_and_evict_compute_the_same_tokens_and_evict_writes_less(start_pro
 
 def test_limits_keep_two_files_per_route_and_spare_the_rest(start_proxy: Any, one_slot: Any,
                                                            slot_dir: str) -> None:
-    other = session_filename("other-model", S1)
+    other = session_filename("other-model", S1, STAND_IN_FP)
     for foreign in (other, "notes.txt", "a" * 64):
         with open(os.path.join(slot_dir, foreign), "wb") as f:
             f.write(b"x" * 10)
@@ -225,12 +226,12 @@ def test_limits_keep_two_files_per_route_and_spare_the_rest(start_proxy: Any, on
             stories[s] = text + f" turn {turn}"
             r = proxy.push(user(stories[s]), sid(s))
             assert r.status_code == 200
-            mine = [f for f in files(slot_dir) if f.startswith(route_tag(ROUTE))]
+            mine = [f for f in files(slot_dir) if f.startswith(route_tag(ROUTE, STAND_IN_FP))]
             assert len(mine) <= 2
             assert name(s) in mine                            # never the one just saved
             if turn == 1:
                 assert r.headers["x-lpcache-restored"] in ("true", "false")
-    assert sorted(f for f in files(slot_dir) if not f.startswith(route_tag(ROUTE))) == sorted(
+    assert sorted(f for f in files(slot_dir) if not f.startswith(route_tag(ROUTE, STAND_IN_FP))) == sorted(
         [other, "notes.txt", "a" * 64])
 
 
@@ -353,7 +354,7 @@ def test_restore_only_when_it_beats_the_prefill(start_proxy: Any, start_backend:
             proxy.push(user(stories[s]), sid(s))
     later = proxy.records[2:]                           # each had a file to restore
     assert proxy.records[2].restored is True            # the first restore: speeds not known yet
-    speeds = proxy.pipeline.speeds[(0, ROUTE)]
+    speeds = proxy.pipeline.speeds.of(0, "")
     assert speeds.prefill.ms_per_token is not None and speeds.restore.ms_per_token is not None
     assert all(bool(r.restored) == restored for r in later[1:])
     assert all(bool(r.restore_skipped) != restored for r in later[1:])

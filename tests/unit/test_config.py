@@ -64,6 +64,9 @@ VALID = {
     "MAX_FILES": "3",
     "MAX_GIB": "1.5",
     "MODELS_MAX": "2",
+    "META_MAX_GIB": "2.5",
+    "SLOT_AFFINITY_WAIT": "4",
+    "CLIENT_SLOT_ACTIONS": "true",
     "PLUGINS": '[{"name": "keyword", "params": {"keywords": ["x"]}}]',
     "REQUEST_LOG": "true",
     "REQUEST_LOG_PATH": "/tmp/r.log",
@@ -108,7 +111,18 @@ def test_defaults_match_the_spec() -> None:
     assert s.log_level == "INFO"
     assert s.backends == (BackendConfig("http://127.0.0.1:8000", None, None, True),)
     assert s.slot_save_paths == ()
+    assert s.meta_max_gib is None and s.slot_affinity_wait == 30 and s.client_slot_actions is False
     assert all(source == "default" for source in s.sources.values())
+
+
+def test_meta_max_gib_is_auto_or_a_size() -> None:
+    assert load(META_MAX_GIB="auto").meta_max_gib is None
+    assert load(META_MAX_GIB="AUTO").meta_max_gib is None
+    assert load(META_MAX_GIB="0").meta_max_gib == 0
+    assert load(["--meta-max-gib", "1.5"]).meta_max_gib == 1.5
+    assert config_error(META_MAX_GIB="-1").variable == "META_MAX_GIB"
+    assert config_error(META_MAX_GIB="lots").variable == "META_MAX_GIB"
+    assert config_error(SLOT_AFFINITY_WAIT="-2").variable == "SLOT_AFFINITY_WAIT"
 
 
 def test_load_settings_ignores_the_process_environment_when_given_one(monkeypatch) -> None:

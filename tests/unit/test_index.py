@@ -4,14 +4,34 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 
 import orjson
 import pytest
 
-from lpcache.index import Candidate, MetaEntry, MetaIndex, entry_from_document, meta_document, write_atomic
+from lpcache.index import Candidate, MetaEntry, MetaIndex, entry_from_document, write_atomic
 from lpcache.prefix import Prompt
 
 URL = "http://backend:8000"
+FP = "fingerprint"
+
+
+class Index(MetaIndex):
+    """The index as these tests drive it: every cache saved under its prompt's key by one model (FP)."""
+
+    async def add(self, p: Prompt, backend, path, *more) -> list[MetaEntry]:  # type: ignore[override]
+        if more:
+            return await super().add(p, backend, path, *more)
+        return await super().add(p, p.key, backend, path, FP)
+
+    def find(self, p: Prompt, usable=lambda e: True, threshold: float = 0.0):  # type: ignore[override]
+        return super().find(p, {FP}, usable, threshold)
+
+
+def meta_document(p: Prompt, wpb: int, timestamp: float, backend, path) -> dict:
+    """A meta file as the Rust lpcache (or an older lpcache) writes it: words only, no identity."""
+    return {"key": p.key, "model_id": p.model, "wpb": wpb, "blocks": list(p.blocks), "n_words": p.n_words,
+            "timestamp": timestamp, "backend": backend, "slot_save_path": path}
 
 
 def text(n: int, start: int = 0, tag: str = "w") -> str:
@@ -19,7 +39,9 @@ def text(n: int, start: int = 0, tag: str = "w") -> str:
 
 
 def prompt(content: str, wpb: int = 2, model: str = "m") -> Prompt:
-    return Prompt.of(model, [{"role": "user", "content": content}], wpb)
+    """Identity blocks stand for word blocks here, so the tests count in words."""
+    p = Prompt.of(model, [{"role": "user", "content": content}], wpb)
+    return replace(p, exact=p.chain)
 
 
 def read_meta(index: MetaIndex, key: str) -> dict:
@@ -47,7 +69,7 @@ def make_index(tmp_path):
     made: list[MetaIndex] = []
 
     def make(wpb: int = 2, meta_max: int = 0, slot_save_paths=(), meta_dir=None) -> MetaIndex:
-        idx = MetaIndex(str(meta_dir or tmp_path / "meta"), wpb, meta_max, [str(p) for p in slot_save_paths])
+        idx = Index(str(meta_dir or tmp_path / "meta"), wpb, meta_max, [str(p) for p in slot_save_paths])
         made.append(idx)
         return idx
 
@@ -129,18 +151,23 @@ async def test_load_round_trips(make_index, tmp_path) -> None:
     assert found is not None and found.entry.key == pa.key and found.shared == 3
 
 
-async def test_load_orders_lru_by_timestamp(make_index, tmp_path) -> None:
+async def test_load_keeps_each_entrys_history_for_the_replacement_order(make_index, tmp_path) -> None:
+    """A conversation on its rhythm (used every 100 s, last 90 s ago: due any moment) outlives one used once, across
+    a restart: the history is in the meta file."""
     meta = tmp_path / "meta"
     meta.mkdir()
-    old, young = prompt(text(4)), prompt(text(4, tag="x"))
-    (meta / f"{young.key}.meta.json").write_bytes(orjson.dumps(meta_document(young, 2, 200.0, URL, None)))
-    (meta / f"{old.key}.meta.json").write_bytes(orjson.dumps(meta_document(old, 2, 100.0, URL, None)))
+    once, rhythm = prompt(text(4)), prompt(text(4, tag="x"))
+    now = time.time()
+    (meta / f"{rhythm.key}.meta.json").write_bytes(orjson.dumps(
+        {**meta_document(rhythm, 2, now - 90, URL, None), "uses": 5, "interval": 100.0}))
+    (meta / f"{once.key}.meta.json").write_bytes(orjson.dumps(meta_document(once, 2, now - 50, URL, None)))
     idx = make_index(wpb=2, meta_max=2)
     assert idx.load() == 2
+    assert idx.get(rhythm.key).uses == 5 and idx.get(rhythm.key).interval == 100.0
     third = prompt(text(4, tag="z"))
     removed = await idx.add(third, URL, None)
-    assert [e.key for e in removed] == [old.key]
-    assert young.key in idx and third.key in idx and old.key not in idx
+    assert [e.key for e in removed] == [once.key]
+    assert rhythm.key in idx and third.key in idx and once.key not in idx
 
 
 def test_load_creates_missing_meta_dir(make_index, tmp_path) -> None:
@@ -276,11 +303,62 @@ async def test_find_no_shared_block(make_index) -> None:
     assert idx.find(prompt("one")) is None  # no whole block at all
 
 
-async def test_find_model_mismatch(make_index) -> None:
+async def test_find_is_by_model_identity_not_by_the_clients_model_name(make_index) -> None:
+    """A single-model server runs one model whatever name a client gives it: the fingerprint of the model that made
+    a file decides, and a file of another model is never offered."""
     idx = make_index(wpb=2)
     await idx.add(prompt(text(10), model="m1"), URL, None)
-    assert idx.find(prompt(text(10), model="m2")) is None
-    assert idx.find(prompt(text(10), model="m1")) is not None
+    assert idx.find(prompt(text(10), model="m2")) is not None          # same model behind another name
+    assert MetaIndex.find(idx, prompt(text(10)), {"another-model"}) is None
+    assert MetaIndex.find(idx, prompt(text(10)), set()) is None
+    p = prompt(text(10, tag="g"))
+    await idx.add(p, "other-key", URL, None, "another-model")
+    assert MetaIndex.find(idx, p, {"another-model"}).entry.key == "other-key"
+    assert idx.find(p) is None
+
+
+async def test_foreign_entries_are_found_by_words_and_model_name(make_index, tmp_path) -> None:
+    meta = tmp_path / "meta"
+    meta.mkdir()
+    p = prompt(text(10), model="m1")
+    (meta / f"{p.key}.meta.json").write_bytes(orjson.dumps(meta_document(p, 2, 1.0, None, None)))
+    idx = make_index(wpb=2)
+    assert idx.load() == 1 and idx.get(p.key).foreign
+    found = idx.find(prompt(text(12), model="m1"))
+    assert found is not None and not found.exact and found.entry.key == p.key and found.shared == 5
+    assert idx.find(prompt(text(12), model="m2")) is None
+
+
+async def test_a_protected_entry_survives_redundancy_and_limits(make_index, folders) -> None:
+    a_dir, _ = folders
+    idx = make_index(wpb=2, meta_max=1)
+    first = prompt(text(4))
+    await idx.add(first, URL, a_dir)
+    idx.protect(first.key)
+    removed = await idx.add(prompt(text(8)), URL, a_dir)       # supersedes it and is over META_MAX
+    assert removed == [] and first.key in idx
+    idx.unprotect(first.key)
+    removed = await idx.add(prompt(text(8, tag="n")), URL, a_dir)
+    assert first.key in [r.key for r in removed]
+
+
+async def test_byte_budget_prunes_besides_the_count(make_index) -> None:
+    idx = make_index(wpb=2)
+    idx.max_bytes = 250
+    for i in range(3):
+        p = prompt(text(4, tag=f"b{i}"))
+        await MetaIndex.add(idx, p, p.key, URL, None, FP, 40, 100)
+    assert len(idx) == 2 and idx.total_bytes == 200 and idx.evicted == 1
+
+
+async def test_a_new_turn_inherits_the_rhythm_of_the_file_it_supersedes(make_index) -> None:
+    idx = make_index(wpb=2)
+    await idx.add(prompt(text(4)), URL, None)
+    idx.note_use(prompt(text(4)).key)      # the next turn continued it (resident or restored) ...
+    await idx.add(prompt(text(8)), URL, None)   # ... and was saved: a new file that supersedes the old one
+    new = idx.get(prompt(text(8)).key)
+    assert prompt(text(4)).key not in idx
+    assert new.uses == 2 and new.interval is not None
 
 
 async def test_find_ignores_entries_of_another_wpb(make_index, tmp_path) -> None:
@@ -348,9 +426,9 @@ async def test_meta_max_prunes_several(make_index) -> None:
     ps = [prompt(text(4, tag=f"t{i}_")) for i in range(6)]
     for p in ps:
         await idx.add(p, URL, None)
-    assert len(idx) == 3
-    assert [k for k in ps if k.key in idx] == ps[3:]
-    assert sorted(os.listdir(idx.meta_dir)) == sorted(p.key + ".meta.json" for p in ps[3:])
+    assert len(idx) == 3 and ps[-1].key in idx    # the one just saved is never the one deleted
+    kept = [p for p in ps if p.key in idx]
+    assert sorted(os.listdir(idx.meta_dir)) == sorted(p.key + ".meta.json" for p in kept)
 
 
 async def test_meta_max_zero_is_unlimited(make_index) -> None:
@@ -470,8 +548,9 @@ async def test_add_same_key_replaces_entry(make_index) -> None:
     assert len(idx) == 2
     assert idx.get(p1.key).backend == "http://new:1"
     assert read_meta(idx, p1.key)["slot_save_path"] == "/new"
-    removed = await idx.add(prompt(text(4, tag="c")), URL, None)
-    assert [e.key for e in removed] == [p2.key]  # p1 was re-saved, so p2 is the oldest
+    third = prompt(text(4, tag="c"))
+    removed = await idx.add(third, URL, None)
+    assert len(removed) == 1 and len(idx) == 2 and third.key in idx
 
 
 # ---- stale entries and failed saves ----

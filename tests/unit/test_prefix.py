@@ -6,6 +6,7 @@ import hashlib
 
 import pytest
 
+from lpcache.identity import canonical_text
 from lpcache.prefix import (
     Prompt,
     block_hashes,
@@ -195,9 +196,9 @@ def test_common_prefix_of_chains_counts_shared_blocks() -> None:
 def test_prompt_of() -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there, General Kenobi"}]
     p = Prompt.of("model-x", messages, 2)
-    raw = "Be brief.\nHello there, General Kenobi"
     assert p.model == "model-x"
-    assert p.key == hashlib.sha256(f"model-x\n{raw}".encode()).hexdigest()
+    assert p.key == hashlib.sha256(f"model-x\n{canonical_text(messages)}".encode()).hexdigest()
+    assert p.chars == len(canonical_text(messages))
     assert p.n_words == 6
     assert p.blocks == (sha("be brief"), sha("hello there"), sha("general kenobi"))
     assert p.chain == chain(p.blocks)
@@ -217,10 +218,25 @@ def test_prompt_key_depends_on_raw_text_not_only_words() -> None:
     assert a.key != b.key
 
 
-def test_prompt_roles_do_not_matter() -> None:
-    a = Prompt.of("m", [{"role": "user", "content": "same text"}], 1)
-    b = Prompt.of("m", [{"role": "system", "content": "same text"}], 1)
-    assert a == b
+def test_prompt_roles_share_words_but_not_identity() -> None:
+    a = Prompt.of("m", [{"role": "user", "content": "same text " * 200}], 1)
+    b = Prompt.of("m", [{"role": "system", "content": "same text " * 200}], 1)
+    assert a.blocks == b.blocks and a.chain == b.chain   # the word lookup cannot tell them apart
+    assert a.key != b.key and a.exact and b.exact and a.exact[0] != b.exact[0]
+
+
+def test_prompt_words_count_tool_calls_and_tools_but_blocks_do_not() -> None:
+    messages = [{"role": "user", "content": "look it up"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function",
+                     "function": {"name": "search", "arguments": '{"q": "kv cache"}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "found it"}]
+    tools = {"tools": [{"type": "function", "function": {"name": "search", "description": "Search the web"}}]}
+    plain = Prompt.of("m", messages, 1)
+    with_tools = Prompt.of("m", messages, 1, tools)
+    assert plain.blocks == with_tools.blocks
+    assert with_tools.n_words > plain.n_words > len(words("look it up found it"))
+    assert plain.exact[:1] != with_tools.exact[:1] or plain.chars != with_tools.chars
 
 
 def test_prompt_key_depends_on_model() -> None:
@@ -232,8 +248,8 @@ def test_prompt_key_depends_on_model() -> None:
 
 def test_prompt_empty() -> None:
     p = Prompt.of("m", [], 3)
-    assert p.n_words == 0 and p.blocks == () and p.chain == ()
-    assert p.key == hashlib.sha256(b"m\n").hexdigest()
+    assert p.n_words == 0 and p.blocks == () and p.chain == () and p.exact == ()
+    assert p.key == hashlib.sha256(f"m\n{canonical_text([])}".encode()).hexdigest()
 
 
 def test_ascii_fast_path_matches_the_regex() -> None:

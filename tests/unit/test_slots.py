@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
 from lpcache.errors import ProxyError, SlotsBusy
 from lpcache.index import Candidate, MetaEntry
 from lpcache.prefix import Prompt
-from lpcache.slots import Choice, Content, Slot, SlotPool, choose
+from lpcache.slots import Choice, Content, Slot, SlotPool, WaitPlan, Want, choose, wait_plan
 
 A, B = "http://a:8000", "http://b:8000"
 
@@ -19,15 +20,18 @@ def text(n: int, start: int = 0, tag: str = "w") -> str:
 
 
 def prompt(content: str, wpb: int = 1) -> Prompt:
-    return Prompt.of("m", [{"role": "user", "content": content}], wpb)
+    """A prompt whose identity blocks are its word blocks (one per word), so the tests count in words."""
+    p = Prompt.of("m", [{"role": "user", "content": content}], wpb)
+    return replace(p, exact=p.chain)
 
 
 def content_of(p: Prompt) -> Content:
-    return Content(p.key, p.chain)
+    return Content(p.key, p.exact)
 
 
 def candidate(shared: int, total: int = 10, backend: str | None = A, path: str | None = None) -> Candidate:
-    entry = MetaEntry("saved", "m", 1, prompt(text(shared)).chain, 1.0, shared, backend, path)
+    chain = prompt(text(shared)).exact
+    entry = MetaEntry("saved", "m", 1, chain, 1.0, shared, backend, path, exact=chain, fingerprint="fp")
     return Candidate(entry, shared, shared / total)
 
 
@@ -197,7 +201,7 @@ async def start_waiter(pool: SlotPool, p: Prompt | None = None, cand: Candidate 
 
     async def run() -> Choice:
         started.set()
-        return await pool.acquire(p, cand)
+        return await pool.acquire(Want(p, lambda: cand))
 
     task = asyncio.create_task(run())
     await started.wait()
@@ -207,17 +211,17 @@ async def start_waiter(pool: SlotPool, p: Prompt | None = None, cand: Candidate 
 async def test_acquire_and_release_marks_busy() -> None:
     s0, s1 = slot(0, 0), slot(0, 1)
     pool = SlotPool([s0, s1])
-    c = await pool.acquire(None)
+    c = await pool.acquire(Want())
     assert c.slot is s0 and s0.busy and s0.used and not s1.busy
     assert pool.idle() == [s1]
-    c2 = await pool.acquire(None)
+    c2 = await pool.acquire(Want())
     assert c2.slot is s1 and s1.busy
     assert pool.idle() == []
     pool.release(s0)
     assert not s0.busy and s0.last_used > 0
     pool.release(s1)
     assert pool.idle() == [s0, s1]
-    c3 = await pool.acquire(None)
+    c3 = await pool.acquire(Want())
     assert c3.slot is s0  # least recently used
     pool.release(s0)
     assert not any(s.busy for s in pool.slots)
@@ -227,11 +231,11 @@ async def test_acquire_passes_prompt_and_candidate_to_choose() -> None:
     p = prompt(text(10))
     holder = slot(0, 1, used=True, last_used=1.0, content=content_of(prompt(text(5))))
     pool = SlotPool([slot(0, 0), holder])
-    c = await pool.acquire(p, candidate(3))
+    c = await pool.acquire(Want(p, lambda: candidate(3)))
     assert c.slot is holder and c.resident == 5 and c.restore is None
     pool.release(c.slot)
     cand = candidate(9)
-    c = await pool.acquire(p, cand)
+    c = await pool.acquire(Want(p, lambda: cand))
     assert c.restore is cand and c.slot is pool.slots[0]
     pool.release(c.slot)
     assert not any(s.busy for s in pool.slots)
@@ -240,7 +244,7 @@ async def test_acquire_passes_prompt_and_candidate_to_choose() -> None:
 async def test_waiters_are_served_fifo() -> None:
     s0 = slot(0, 0)
     pool = SlotPool([s0])
-    first = await pool.acquire(None)
+    first = await pool.acquire(Want())
     waiters = [await start_waiter(pool) for _ in range(3)]
     assert pool.waiting == 3
     assert not any(t.done() for t in waiters)
@@ -259,7 +263,7 @@ async def test_waiters_are_served_fifo() -> None:
 async def test_two_waiters_get_both_released_slots() -> None:
     s0, s1 = slot(0, 0), slot(0, 1)
     pool = SlotPool([s0, s1])
-    held = [await pool.acquire(None), await pool.acquire(None)]
+    held = [await pool.acquire(Want()), await pool.acquire(Want())]
     w1, w2 = await start_waiter(pool), await start_waiter(pool)
     assert pool.waiting == 2
     pool.release(held[0].slot)
@@ -277,7 +281,7 @@ async def test_waiter_choice_uses_its_prompt() -> None:
     p = prompt(text(10))
     s0, s1 = slot(0, 0), slot(0, 1)
     pool = SlotPool([s0, s1])
-    h0, h1 = await pool.acquire(None), await pool.acquire(None)
+    h0, h1 = await pool.acquire(Want()), await pool.acquire(Want())
     waiter = await start_waiter(pool, p)
     pool.release(h1.slot, content_of(prompt(text(6))))
     c = await waiter
@@ -290,9 +294,9 @@ async def test_waiter_choice_uses_its_prompt() -> None:
 async def test_acquire_timeout_raises_slots_busy() -> None:
     s0 = slot(0, 0)
     pool = SlotPool([s0], wait_timeout=0.05)
-    held = await pool.acquire(None)
+    held = await pool.acquire(Want())
     with pytest.raises(SlotsBusy) as info:
-        await pool.acquire(prompt(text(3)))
+        await pool.acquire(Want(prompt(text(3))))
     err = info.value
     assert isinstance(err, ProxyError)
     assert err.status == 503
@@ -301,7 +305,7 @@ async def test_acquire_timeout_raises_slots_busy() -> None:
     assert pool.waiting == 0
     pool.release(held.slot)
     assert not s0.busy
-    again = await pool.acquire(None)
+    again = await pool.acquire(Want())
     assert again.slot is s0
     pool.release(s0)
     assert not s0.busy
@@ -310,7 +314,7 @@ async def test_acquire_timeout_raises_slots_busy() -> None:
 async def test_cancelled_waiter_leaves_no_slot_busy() -> None:
     s0 = slot(0, 0)
     pool = SlotPool([s0])
-    held = await pool.acquire(None)
+    held = await pool.acquire(Want())
     task = await start_waiter(pool)
     assert pool.waiting == 1
     task.cancel()
@@ -319,7 +323,7 @@ async def test_cancelled_waiter_leaves_no_slot_busy() -> None:
     assert pool.waiting == 0
     pool.release(held.slot)
     assert not s0.busy
-    assert (await pool.acquire(None)).slot is s0
+    assert (await pool.acquire(Want())).slot is s0
     pool.release(s0)
     assert not any(s.busy for s in pool.slots)
 
@@ -327,7 +331,7 @@ async def test_cancelled_waiter_leaves_no_slot_busy() -> None:
 async def test_cancelled_waiter_does_not_block_the_next_one() -> None:
     s0 = slot(0, 0)
     pool = SlotPool([s0])
-    held = await pool.acquire(None)
+    held = await pool.acquire(Want())
     gone = await start_waiter(pool)
     nxt = await start_waiter(pool)
     gone.cancel()
@@ -345,7 +349,7 @@ async def test_waiter_cancelled_as_the_slot_is_handed_to_it_releases_the_slot() 
     CancelledError (the caller asked to stop) and give the slot back, not return it to a cancelled caller."""
     s0 = slot(0, 0)
     pool = SlotPool([s0])
-    held = await pool.acquire(None)
+    held = await pool.acquire(Want())
     task = await start_waiter(pool)
     pool.release(held.slot)  # hands s0 to the waiter
     task.cancel()            # ... which is cancelled before it runs again
@@ -360,23 +364,23 @@ async def test_release_content_semantics() -> None:
     pool = SlotPool([s0])
     first, second = Content("k1", (1, 2)), Content("k2", (3,), saved=True)
 
-    await pool.acquire(None)
+    await pool.acquire(Want())
     pool.release(s0, first)
     assert s0.content is first
 
-    await pool.acquire(None)
+    await pool.acquire(Want())
     pool.release(s0)  # True: unchanged
     assert s0.content is first
 
-    await pool.acquire(None)
+    await pool.acquire(Want())
     pool.release(s0, True)
     assert s0.content is first
 
-    await pool.acquire(None)
+    await pool.acquire(Want())
     pool.release(s0, second)
     assert s0.content is second and s0.content.saved
 
-    await pool.acquire(None)
+    await pool.acquire(Want())
     pool.release(s0, None)  # unknown
     assert s0.content is None
     assert not s0.busy
@@ -393,7 +397,7 @@ async def test_release_of_idle_slot_is_a_no_op() -> None:
 async def test_release_updates_last_used_for_lru() -> None:
     s0, s1 = slot(0, 0), slot(0, 1)
     pool = SlotPool([s0, s1])
-    a, b = await pool.acquire(None), await pool.acquire(None)
+    a, b = await pool.acquire(Want()), await pool.acquire(Want())
     assert s0.last_used == 0.0 and s1.last_used == 0.0
     pool.release(b.slot)
     assert s1.last_used > 0.0 and s0.last_used == 0.0
@@ -402,53 +406,122 @@ async def test_release_updates_last_used_for_lru() -> None:
     assert not any(s.busy for s in pool.slots)
 
 
-def test_worth_waiting_for_a_busy_slot_that_will_hold_the_conversation() -> None:
-    from lpcache.slots import worth_waiting_for
+def never(slot: Slot | None, blocks: int) -> float:
+    return 0.0
 
-    conv = Prompt.of("m", [{"role": "user", "content": " ".join(f"w{i}" for i in range(40))}], 2)
-    nxt = Prompt.of("m", [{"role": "user", "content": " ".join(f"w{i}" for i in range(44))}], 2)
+
+def seconds_per_block(slot: Slot | None, blocks: int) -> float:
+    """A budget of one second per block gained (as if prefilling a block took a second)."""
+    return float(blocks)
+
+
+def long_prompt(n: int) -> Prompt:
+    return prompt(" ".join(f"w{i}" for i in range(n)))
+
+
+def test_wait_plan_for_a_busy_slot_that_will_hold_the_conversation() -> None:
+    conv, nxt = long_prompt(40), long_prompt(44)
     busy = Slot(0, 0, busy=True, used=True)
     idle = Slot(0, 1, used=True)
-    busy.pending = Content(conv.key, conv.chain)
-    assert worth_waiting_for([busy, idle], nxt, None) is busy
+    busy.pending = content_of(conv)
+    plan = wait_plan([busy, idle], nxt, None, None, None, frozenset(), seconds_per_block)
+    assert plan is not None and plan.wanted(busy) and not plan.wanted(idle) and plan.seconds == 40
+    # the cost says no: no wait
+    assert wait_plan([busy, idle], nxt, None, None, None, frozenset(), never) is None
     # an idle slot that holds it as well: no reason to wait
-    idle.content = Content(conv.key, conv.chain)
-    assert worth_waiting_for([busy, idle], nxt, None) is None
-    # a small gain is not worth a wait
-    idle.content = Content(conv.key, conv.chain[:19])
-    assert worth_waiting_for([busy, idle], nxt, None) is None
+    idle.content = content_of(conv)
+    assert wait_plan([busy, idle], nxt, None, None, None, frozenset(), seconds_per_block) is None
+    # a smaller gain is a shorter wait
+    idle.content = Content(conv.key, conv.exact[:30])
+    plan = wait_plan([busy, idle], nxt, None, None, None, frozenset(), seconds_per_block)
+    assert plan is not None and plan.seconds == 10
     # the filter of the request applies
     idle.content = None
-    assert worth_waiting_for([busy, idle], nxt, None, allowed=lambda s: s is not busy) is None
+    assert wait_plan([busy, idle], nxt, None, lambda s: s is not busy, None, frozenset(), seconds_per_block) is None
 
 
-def test_preferred_waits_for_the_only_slots_that_can_read_the_saved_cache() -> None:
-    from lpcache.slots import preferred
-
-    p = Prompt.of("m", [{"role": "user", "content": " ".join(f"w{i}" for i in range(40))}], 2)
-    entry = MetaEntry("k", "m", 2, p.chain, 0.0, backend="http://a:1", slot_save_path="/a")
-    cand = Candidate(entry, len(p.chain), 1.0)
+def test_wait_plan_for_the_only_slots_that_can_read_the_saved_cache() -> None:
+    p = long_prompt(40)
+    entry = MetaEntry("k", "m", 2, p.exact, 0.0, backend="http://a:1", slot_save_path="/a", exact=p.exact,
+                      fingerprint="fp")
+    cand = Candidate(entry, len(p.exact), 1.0)
     a = Slot(0, 0, slot_save_path="/a", url="http://a:1", busy=True, used=True)   # saving the previous request
     b = Slot(1, 0, slot_save_path="/b", url="http://b:1", used=True)             # idle, cannot read the file
-    wait = preferred([a, b], p, cand)
-    assert wait is not None and wait(a) and not wait(b)
+    plan = wait_plan([a, b], p, cand, None, None, frozenset(), seconds_per_block)
+    assert plan is not None and plan.wanted(a) and not plan.wanted(b)
     a.busy = False                                   # an idle reader: no wait, choose() takes it
-    assert preferred([a, b], p, cand) is None
+    assert wait_plan([a, b], p, cand, None, None, frozenset(), seconds_per_block) is None
     a.busy = True
-    b.content = Content(p.key, p.chain)              # the idle slot holds the prompt already: no wait
-    assert preferred([a, b], p, cand) is None
+    b.content = content_of(p)                        # the idle slot holds the prompt already: no wait
+    assert wait_plan([a, b], p, cand, None, None, frozenset(), seconds_per_block) is None
     b.content = None
-    assert preferred([a, b], p, Candidate(entry, 2, 0.1)) is None   # a small share is not worth a wait
-    assert preferred([a, b], p, cand, allowed=lambda s: s is b) is None
+    assert wait_plan([a, b], p, cand, lambda s: s is b, None, frozenset(), seconds_per_block) is None
 
 
-def test_preferred_and_choose_keep_a_session_where_its_file_is() -> None:
-    from lpcache.slots import preferred
-
+def test_wait_plan_and_choose_keep_a_session_where_its_file_is() -> None:
     a, b = Slot(0, 0, busy=True, used=True), Slot(1, 0, used=True)
-    wait = preferred([a, b], None, None, session="f.bin", homes=frozenset({0}))
-    assert wait is not None and wait(a) and not wait(b)
-    assert preferred([a, b], None, None, session="f.bin") is None           # no file yet: anywhere
+    p = long_prompt(8)
+    plan = wait_plan([a, b], p, None, None, "f.bin", frozenset({0}), seconds_per_block)
+    assert plan is not None and plan.wanted(a) and not plan.wanted(b)
+    assert wait_plan([a, b], p, None, None, "f.bin", frozenset(), seconds_per_block) is None  # no file yet
     a.busy = False
-    assert preferred([a, b], None, None, session="f.bin", homes=frozenset({0})) is None
+    assert wait_plan([a, b], p, None, None, "f.bin", frozenset({0}), seconds_per_block) is None
     assert choose([b, a], None, None, session="f.bin", homes=frozenset({0})).slot is a
+
+
+def test_choose_keeps_a_resident_slot_when_the_restore_does_not_pay() -> None:
+    """A slot holding 6 blocks and a file holding 7: restoring the whole file into another slot for one block
+    would evict that slot's content; the cost hook says no, and the resident slot is taken."""
+    p = prompt(text(10))
+    holder = slot(0, 1, used=True, last_used=5.0, content=content_of(prompt(text(6))))
+    other = slot(0, 0, used=True, last_used=1.0, content=content_of(prompt(text(5, tag="q"))))
+    cand = candidate(7)
+    asked: list[int] = []
+
+    def pays(target: Slot, c: Candidate, gained: int) -> bool:
+        asked.append(gained)
+        return gained >= 3
+
+    c = choose([other, holder], p, cand, pays=pays)
+    assert c.slot is holder and c.restore is None and c.resident == 6 and c.skipped and asked == [1]
+    c = choose([other, holder], p, candidate(9), pays=pays)
+    assert c.slot is other and c.restore is not None and asked == [1, 3]
+
+
+async def test_two_phase_take_waits_for_the_planned_slot_then_any() -> None:
+    s0, s1 = slot(0, 0), slot(0, 1)
+    pool = SlotPool([s0, s1])
+    first = await pool.acquire(Want())
+    plan = WaitPlan(lambda s: s is first.slot, 5.0)
+    started = asyncio.Event()
+
+    async def take() -> tuple[Choice, bool]:
+        started.set()
+        return await pool.take(Want(), plan)
+
+    task = asyncio.create_task(take())
+    await started.wait()            # it queued before its first suspension
+    assert pool.waiting == 1 and not task.done()   # s1 is idle, but the plan says wait for s0
+    pool.release(first.slot)
+    choice, planned = await task
+    assert choice.slot is first.slot and planned
+    pool.release(choice.slot)
+    held = await pool.acquire(Want(allowed=lambda s: s is s0))
+    choice, planned = await pool.take(Want(), WaitPlan(lambda s: s is s0, 0.01))
+    assert choice.slot is s1 and not planned   # the planned wait ran out: any slot
+    pool.release(held.slot)
+    pool.release(choice.slot)
+    assert not any(s.busy for s in pool.slots)
+
+
+async def test_a_candidate_is_protected_from_choice_until_given_back() -> None:
+    protected: list[str] = []
+    s0 = slot(0, 0)
+    pool = SlotPool([s0], wait_timeout=0.05)
+    cand = candidate(5)
+    want = Want(prompt(text(10)), lambda: cand, protect=protected.append, unprotect=protected.remove)
+    c = await pool.acquire(want)
+    assert c.restore is cand and protected == ["saved"]
+    want.given_back(c)
+    assert protected == []
+    pool.release(s0)

@@ -1,0 +1,262 @@
+"""When and how a slot's cache is written to disk: after a big request (SAVE_POLICY=eager), before the slot is
+given to another cache, after SAVE_IDLE_SECONDS without a request, before a router unloads the model, and at
+shutdown; and what is recorded of it (meta file, session entry).
+
+A save only ever records what the slot really holds: a request whose prompt was not read to its end (the client
+left during the prefill) leaves a partial cache, which is neither saved nor allowed to supersede the conversation's
+previous, complete file. Saves are retried only when a retry can succeed (the connection, a timeout, a 5xx other
+than 501).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from . import swap
+from .backends import Backend
+from .config import Settings
+from .index import MetaIndex, prefix_file
+from .llama import SlotAction
+from .prefix import Prompt
+from .record import RequestRecord
+from .router_models import RouterModels
+from .sessions import SessionBook, route_name
+from .slots import Choice, Content, Slot, SlotPool
+from .speeds import SpeedBook
+
+log = logging.getLogger("lpcache.saving")
+
+
+@dataclass
+class BackgroundSaves:
+    """Saves outside any request (idle, shutdown, a model about to be unloaded): they have no request record."""
+
+    saves_ok: int = 0
+    saves_failed: int = 0
+    bytes: int = 0
+
+
+def retryable(result: SlotAction) -> bool:
+    """A save that failed for a reason that may pass: no answer, a timeout, a server error (not 501: the server
+    has no --slot-save-path, and never will until it restarts)."""
+    return result.status == 0 or (result.status >= 500 and result.status != 501)
+
+
+def int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+class Saver:
+    def __init__(self, settings: Settings, backends: Sequence[Backend], pool: SlotPool, index: MetaIndex,
+                 sessions: SessionBook, speeds: SpeedBook, folders: Sequence[swap.Folders],
+                 enabled: Callable[[Backend, str], bool], notify: Callable[[RequestRecord], None],
+                 spawn: Callable[[Coroutine[Any, Any, Any]], None]) -> None:
+        self.settings = settings
+        self.backends = list(backends)
+        self.pool = pool
+        self.index = index
+        self.sessions = sessions
+        self.speeds = speeds
+        self.folders = list(folders)
+        self.enabled = enabled
+        self.notify = notify
+        self.spawn = spawn
+        self.idle_saves: dict[Slot, asyncio.Task[None]] = {}
+        self.background = BackgroundSaves()
+
+    # ---- after a request ----
+
+    def content_after(self, backend: Backend, prompt: Prompt, big: bool, record: RequestRecord,
+                      want: Content | None, prefilled: bool, held_blocks: int) -> Content | None:
+        """What the slot holds once the request is over. When the prompt was not read to its end, only the part
+        the slot held before is known (and nothing is worth saving)."""
+        fingerprint = backend.identity(route_name(prompt.model))
+        if not prefilled:
+            if held_blocks <= 0:
+                return None
+            key = want.key if want is not None else prompt.key
+            return Content(key, prompt.exact[:held_blocks], model=prompt.model, fingerprint=fingerprint)
+        tokens = None
+        if record.prompt_tokens is not None and record.completion_tokens is not None:
+            tokens = record.prompt_tokens + max(record.completion_tokens - 1, 0)
+        if want is not None:
+            return replace(want, chain=prompt.exact, tokens=tokens, saved=False)
+        key = prefix_file(prompt.key, fingerprint) if fingerprint else prompt.key
+        return Content(key, prompt.exact, keep=big, prompt=prompt, model=prompt.model, tokens=tokens,
+                       fingerprint=fingerprint)
+
+    def learn(self, backend: Backend, prompt: Prompt, record: RequestRecord) -> None:
+        speeds = self.speeds.of(backend.index, RouterModels.served(backend, prompt.model))
+        if record.prefill_ms is not None and record.prompt_n:
+            speeds.prefill.add(record.prefill_ms, record.prompt_n)
+        if record.gen_ms is not None and record.completion_tokens:
+            speeds.generate.add(record.gen_ms, record.completion_tokens)
+        speeds.learn_chars(prompt.chars, record.prompt_tokens)
+
+    async def after(self, choice: Choice, backend: Backend, prompt: Prompt, big: bool, record: RequestRecord,
+                    want: Content | None, prefilled: bool, held_blocks: int) -> None:
+        """After the client has its answer: save a big prompt's cache (SAVE_POLICY=eager), record it, release the
+        slot, tell the observers. Runs even when the client left mid-stream: the prompt's cache is still worth
+        keeping. With SAVE_POLICY=evict the cache stays unsaved in the slot until something needs the slot."""
+        content: Content | None = None
+        try:
+            self.learn(backend, prompt, record)
+            if not prefilled:   # a JSON answer the client left: did the server get past the prompt?
+                n = await swap.decoded(backend.client, choice.slot.id, RouterModels.slot_model(backend, prompt.model))
+                prefilled = bool(n)
+            content = self.content_after(backend, prompt, big, record, want, prefilled, held_blocks)
+            if (content is not None and content.keep and big and self.settings.save_policy == "eager"
+                    and self.enabled(backend, prompt.model)):
+                choice.slot.phase = "save"
+                save_s = self.speeds.of(backend.index, RouterModels.served(backend, prompt.model)).save.seconds(
+                    content.tokens or 0)
+                choice.slot.free_at = None if save_s is None else time.monotonic() + save_s
+                content = await (self.save_session(choice, backend, content, record) if want is not None
+                                 else self.save(choice, backend, prompt, content, record))
+        except Exception:  # never leave the slot locked
+            log.exception("save_crashed key=%s", prompt.key[:16])
+            content = None
+        finally:
+            self.pool.release(choice.slot, content)
+            self.schedule_idle_save(choice.slot, backend)
+            self.notify(record)
+
+    async def save_session(self, choice: Choice, backend: Backend, content: Content,
+                           record: RequestRecord) -> Content:
+        """Eager: write the session's cache to its file now (no retries: the next swap saves it again)."""
+        result, _ = await swap.save(backend.client, choice.slot.id, content, self.folders[backend.index],
+                                    RouterModels.slot_model(backend, content.model))
+        self.record_save(backend, content, result, record)
+        if not result.ok:
+            record.reason = record.reason or "save_failed"
+            return content
+        info = self.sessions.get(content.key)
+        if info is not None:
+            info.saved(backend.index, record.save_bytes, content.chain)
+        return replace(content, saved=True)
+
+    async def save(self, choice: Choice, backend: Backend, prompt: Prompt, content: Content,
+                   record: RequestRecord) -> Content:
+        """Write a prefix cache under its file name, then its meta file (in the background: the slot is free once
+        the server has saved it). Retried SAVE_RETRIES times when a retry can succeed."""
+        slot = choice.slot
+        attempts = 1 + self.settings.save_retries
+        model = RouterModels.slot_model(backend, prompt.model)
+        result: SlotAction | None = None
+        for attempt in range(1, attempts + 1):
+            result, _ = await swap.save(backend.client, slot.id, content, None, model)
+            if result.ok:
+                self.record_save(backend, content, result, record)
+                log.info("slot_saved key=%s slot=%s n_saved=%s bytes=%s ms=%.1f", content.key[:16], slot.name,
+                         result.body.get("n_saved"), result.body.get("n_written"), result.ms)
+                self.spawn(self.index.add(prompt, content.key, backend.url, backend.config.slot_save_path,
+                                          content.fingerprint, int_or_none(result.body.get("n_saved")),
+                                          int_or_none(result.body.get("n_written"))))
+                return replace(content, saved=True)
+            log.warning("slot_save_failed key=%s slot=%s attempt=%d/%d status=%s reason=%r", content.key[:16],
+                        slot.name, attempt, attempts, result.status, result.error)
+            if attempt < attempts and retryable(result):
+                await asyncio.sleep(self.settings.save_retry_delay_ms / 1000.0)
+            else:
+                break
+        record.saved = False
+        record.reason = record.reason or "save_failed"
+        # The server writes in place: a failed save may have left a partial file under this name.
+        await self.index.forget(content.key, backend.config.slot_save_path)
+        return content
+
+    def record_save(self, backend: Backend, content: Content, result: SlotAction, record: RequestRecord) -> None:
+        record.saved, record.save_ms = result.ok, result.ms
+        record.save_bytes = int_or_none(result.body.get("n_written"))
+        if result.ok:
+            self.speeds.of(backend.index, RouterModels.served(backend, content.model)).save.add(
+                result.ms, int_or_none(result.body.get("n_saved")) or 0)
+
+    # ---- what the slot held, saved before it is replaced ----
+
+    async def save_held(self, backend: Backend, slot: Slot, held: Content, record: RequestRecord | None) -> bool:
+        """Save the slot's unsaved cache under its own name (it is about to be replaced); False when it failed."""
+        model = RouterModels.slot_model(backend, held.model)
+        if not await swap.wait_idle(backend.client, slot.id, model):
+            return False
+        result, _ = await swap.save(backend.client, slot.id, held, self.folders[backend.index], model)
+        self.saved_held(backend, slot, held, result, record)
+        return result.ok
+
+    def saved_held(self, backend: Backend, slot: Slot, held: Content, result: SlotAction,
+                   record: RequestRecord | None) -> None:
+        """Bookkeeping after the slot's previous cache was saved under its own name: its meta file (a prefix
+        cache) or its session entry; a failed save of a prefix cache may have left a partial file."""
+        n_written = int_or_none(result.body.get("n_written"))
+        if record is not None:
+            record.swap_saved, record.swap_save_ms, record.swap_save_bytes = result.ok, result.ms, n_written
+        else:
+            b = self.background
+            b.saves_ok, b.saves_failed = b.saves_ok + result.ok, b.saves_failed + (not result.ok)
+            b.bytes += n_written or 0
+        path = backend.config.slot_save_path
+        if result.ok:
+            if slot.content is held:
+                slot.content = replace(held, saved=True)
+            if held.session is not None:
+                info = self.sessions.get(held.key)
+                if info is not None:
+                    info.saved(backend.index, n_written, held.chain)
+            elif held.prompt is not None:
+                self.spawn(self.index.add(held.prompt, held.key, backend.url, path, held.fingerprint,
+                                          int_or_none(result.body.get("n_saved")), n_written))
+        elif held.session is None:
+            self.spawn(self.index.forget(held.key, path))
+
+    # ---- outside requests: idle, shutdown, a router about to unload ----
+
+    def cancel_idle_save(self, slot: Slot) -> None:
+        task = self.idle_saves.pop(slot, None)
+        if task is not None:
+            task.cancel()
+
+    def schedule_idle_save(self, slot: Slot, backend: Backend) -> None:
+        """SAVE_IDLE_SECONDS: save the slot's unsaved cache once no request used it for that long."""
+        delay = self.settings.save_idle_seconds
+        if delay <= 0 or slot.content is None or not slot.content.dirty:
+            return
+        self.cancel_idle_save(slot)
+        self.idle_saves[slot] = asyncio.ensure_future(self._idle_save(slot, backend, delay))
+
+    async def _idle_save(self, slot: Slot, backend: Backend, delay: float) -> None:
+        await asyncio.sleep(delay)
+        if self.idle_saves.get(slot) is asyncio.current_task():
+            del self.idle_saves[slot]
+        await self.save_idle_slot(slot, backend, "idle")
+
+    async def save_idle_slot(self, slot: Slot, backend: Backend, why: str, force: bool = False) -> bool:
+        """Save an idle slot's unsaved cache under its own name, holding the slot meanwhile (outside a request:
+        idle, shutdown, a router about to unload the model). False when there was nothing to do or the slot was
+        taken."""
+        held = slot.content
+        if held is None or not held.dirty or not self.enabled(backend, held.model):
+            return False
+        if not self.pool.take_idle(slot, force):
+            return False
+        try:
+            ok = await self.save_held(backend, slot, held, None)
+            log.info("background_save why=%s slot=%s file=%s ok=%s", why, slot.name, held.key, str(ok).lower())
+            return ok
+        finally:
+            self.pool.release(slot, True, used=False)
+
+    async def save_all(self, timeout: float) -> None:
+        """At shutdown (SAVE_POLICY=evict): save every idle slot whose cache is not on disk yet."""
+        for task in list(self.idle_saves.values()):
+            task.cancel()
+        self.idle_saves.clear()
+        jobs = [self.save_idle_slot(slot, self.backends[slot.backend], "shutdown")
+                for slot in self.pool.slots if slot.content is not None and slot.content.dirty]
+        if jobs:
+            log.info("saving %d unsaved slot cache(s) before stopping", len(jobs))
+            await asyncio.wait([asyncio.ensure_future(j) for j in jobs], timeout=timeout)

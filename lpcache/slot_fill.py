@@ -1,0 +1,304 @@
+"""What goes into a slot before a request is sent.
+
+- The slot: an idle one chosen by `slots.choose` (a resident exact prefix, or a saved cache worth restoring, looked
+  up when the slot is handed out), or a busy one worth waiting for, as long as the wait costs less than the prefill
+  it spares (the learnt speeds, SLOT_AFFINITY_WAIT at most).
+- Then, in session mode, the session swapped in; in prefix mode, the chosen saved cache restored. A candidate is
+  protected from deletion from the moment it is chosen until its restore is done; a file that is gone anyway is
+  never asked for (the slot keeps its content). A restore that fails leaves the slot as it was when its previous
+  content is on disk (restored back), never empty for nothing: an empty pinned slot also misses llama-server's RAM
+  cache.
+- Before anything replaces what a slot holds, that is saved when it is worth keeping and not on disk yet.
+- After the answer, what the server reports (`cache_n`) is checked against what the slot was believed to hold:
+  restores judged for `reuse`, false beliefs corrected (`slot_truth`).
+
+Every slot call goes through `swap`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+from . import swap
+from .backends import Backend
+from .config import Settings
+from .errors import SlotsBusy
+from .index import Candidate, MetaEntry, MetaIndex
+from .llama import SlotAction
+from .prefix import Prompt, common_prefix
+from .record import RequestRecord
+from .reuse import REUSE_MIN_TOKENS, REUSE_SHORT, ReuseWatch
+from .router_models import RouterModels
+from .saving import Saver, int_or_none
+from .sessions import SessionBook, route_name
+from .slots import Choice, Content, Slot, SlotPool, Want, wait_plan
+from .speeds import SpeedBook
+
+log = logging.getLogger("lpcache.slot_fill")
+
+
+class SlotFiller:
+    def __init__(self, settings: Settings, backends: Sequence[Backend], pool: SlotPool, index: MetaIndex,
+                 sessions: SessionBook, speeds: SpeedBook, reuse: ReuseWatch, routers: RouterModels,
+                 saver: Saver) -> None:
+        self.settings = settings
+        self.backends = list(backends)
+        self.pool = pool
+        self.index = index
+        self.sessions = sessions
+        self.speeds = speeds
+        self.reuse = reuse
+        self.routers = routers
+        self.saver = saver
+
+    # ---- what may be cached where ----
+
+    def enabled(self, backend: Backend, model: str) -> bool:
+        """Save and restore for this backend and model: its model's identity is known, BACKENDS does not turn it
+        off, and its restores are not found useless."""
+        return (backend.kv_cache and backend.identity(route_name(model)) is not None
+                and self.reuse.enabled(backend.index, RouterModels.served(backend, model)))
+
+    def lookup(self, prompt: Prompt) -> Callable[[], Candidate | None]:
+        """The best saved cache for the prompt, found anew each time it is called (when a slot is handed out)."""
+        readers = [b for b in self.backends if self.enabled(b, prompt.model)]
+        fingerprints = {fp for b in readers if (fp := b.identity(route_name(prompt.model))) is not None}
+
+        def usable(e: MetaEntry) -> bool:
+            return any((e.foreign or e.fingerprint == b.identity(route_name(prompt.model)))
+                       and e.readable_by(b.url, b.config.slot_save_path) for b in readers)
+
+        def find() -> Candidate | None:
+            return self.index.find(prompt, fingerprints, usable, self.settings.lcp_th) if readers else None
+
+        return find
+
+    def pays(self, prompt: Prompt) -> Callable[[Slot, Candidate, int], bool]:
+        """Whether restoring a candidate into a slot beats prefilling the blocks it brings beyond the best resident
+        slot, at that backend's speeds."""
+
+        def pays(slot: Slot, candidate: Candidate, gained: int) -> bool:
+            backend = self.backends[slot.backend]
+            speeds = self.speeds.of(backend.index, RouterModels.served(backend, prompt.model))
+            entry = candidate.entry
+            file_tokens = entry.n_tokens or round(speeds.tokens_of(len(entry.exact) or candidate.shared))
+            if speeds.restore_pays(file_tokens, speeds.tokens_of(gained)):
+                return True
+            log.info("restore_skipped backend=%s file=%s file_tokens=%d gained_blocks=%d %s: the prefill is faster",
+                     backend.url, entry.key[:16], file_tokens, gained,
+                     " ".join(f"{k}={v:.3f}" for k, v in speeds.describe().items() if v is not None))
+            return False
+
+        return pays
+
+    def budget(self, prompt: Prompt) -> Callable[[Slot | None, int], float]:
+        """How long waiting for a busy slot that brings `blocks` more of the prompt may take: the prefill of those
+        blocks at the learnt speed (capped by SLOT_AFFINITY_WAIT), and nothing when the slot is expected to stay
+        busy longer. Before the speeds are known, only a slot being saved (its answer is over) is waited for."""
+        cap = self.settings.slot_affinity_wait
+
+        def budget(slot: Slot | None, blocks: int) -> float:
+            if slot is None or cap <= 0 or blocks <= 0:
+                return 0.0
+            backend = self.backends[slot.backend]
+            speeds = self.speeds.of(backend.index, RouterModels.served(backend, prompt.model))
+            benefit = speeds.prefill.seconds(speeds.tokens_of(blocks))
+            if benefit is None:
+                return cap if slot.phase == "save" else 0.0
+            if slot.free_at is not None and slot.free_at - time.monotonic() >= benefit:
+                return 0.0
+            if slot.free_at is None and slot.phase != "save":
+                generate = speeds.generate.seconds(64)   # an answer of unknown length: a short one, at least
+                if generate is None or generate >= benefit:
+                    return 0.0
+            return min(cap, benefit)
+
+        return budget
+
+    # ---- the slot ----
+
+    async def take_slot(self, prompt: Prompt, record: RequestRecord, allowed: Callable[[Slot], bool] | None = None,
+                        want: Content | None = None) -> Choice:
+        session = want.key if want is not None else None
+        homes = self.session_homes(want)
+        asked = Want(prompt, self.lookup(prompt) if want is None else (lambda: None), allowed, session, homes,
+                     self.pays(prompt), self.index.protect, self.index.unprotect)
+        plan = wait_plan(self.pool.slots, prompt, asked.lookup(), allowed, session, homes, self.budget(prompt))
+        started = time.perf_counter()
+        try:
+            choice, planned = await self.pool.take(asked, plan)
+        except SlotsBusy:
+            record.reason = "slot_timeout"
+            raise
+        if plan is not None and not planned:
+            log.info("own_slot_still_busy key=%s waited_s=%.2f: the busy slot that holds more of the prompt was not "
+                     "free within the prefill it would spare; taking another", prompt.key[:16],
+                     time.perf_counter() - started)
+        self.saver.cancel_idle_save(choice.slot)
+        choice.slot.pending = want or Content(prompt.key, prompt.exact)
+        choice.slot.phase, choice.slot.free_at = "prefill", None
+        record.backend, record.slot = self.backends[choice.slot.backend].url, choice.slot.id
+        record.restore_skipped = choice.skipped or None
+        if choice.restore is not None:
+            c = choice.restore
+            log.info("restore_candidate key=%s shared_blocks=%d of=%d ratio=%.3f exact=%s", c.entry.key[:16],
+                     c.shared, len(prompt.exact), c.ratio, str(c.exact).lower())
+        return choice
+
+    def session_homes(self, want: Content | None) -> frozenset[int]:
+        """The backends whose slot-save folder has the session's file (where it was saved, or a folder shared with
+        that backend)."""
+        info = self.sessions.get(want.key) if want is not None else None
+        if info is None or not info.homes:
+            return frozenset()
+        paths = {self.backends[i].config.slot_save_path for i in info.homes} - {None}
+        return frozenset(b.index for b in self.backends
+                         if b.index in info.homes or b.config.slot_save_path in paths)
+
+    def release_choice(self, choice: Choice) -> None:
+        """The request gave up its slot before the restore ran: its candidate is no longer protected."""
+        if choice.restore is not None:
+            self.index.unprotect(choice.restore.entry.key)
+
+    # ---- filling it ----
+
+    async def prepare(self, choice: Choice, backend: Backend, prompt: Prompt, want: Content | None,
+                      record: RequestRecord) -> None:
+        """Make the slot hold the best cache for the request before it is sent: in session mode swap the session
+        in; in prefix mode restore the chosen saved cache. Either way, what the slot holds is saved first when it
+        is worth keeping, unsaved (SAVE_POLICY=evict, or a small session request) and about to be replaced."""
+        try:
+            await self.routers.make_room(backend, prompt.model)
+            if not self.enabled(backend, prompt.model):
+                return
+            if want is not None:
+                await self.swap_session(choice, backend, prompt, want, record)
+                return
+            slot, restoring = choice.slot, choice.restore is not None
+            held = slot.content
+            if held is not None and held.dirty and (
+                    restoring or common_prefix(held.chain, prompt.exact) < len(held.chain)):
+                await self.saver.save_held(backend, slot, held, record)
+            if restoring:
+                await self.restore(choice, backend, prompt, record)
+        finally:
+            self.release_choice(choice)
+
+    async def restore(self, choice: Choice, backend: Backend, prompt: Prompt, record: RequestRecord) -> None:
+        """Load the chosen saved cache into the slot. A file that is gone is not asked for; a restore that fails
+        (the server then clears the slot) gets the slot's previous content back when that is on disk."""
+        assert choice.restore is not None
+        candidate, slot = choice.restore, choice.slot
+        entry = candidate.entry
+        present = await asyncio.to_thread(self.index.file_present, entry, slot.slot_save_path)
+        if entry.key not in self.index or present is False:
+            self.index.lost += 1
+            record.restore_lost = True
+            log.warning("restore_lost key=%s slot=%s: the chosen cache's file is gone (%s); the slot keeps what it "
+                        "holds and the prompt is computed", entry.key[:16], slot.name,
+                        "its entry was removed" if entry.key not in self.index else "not in the folder")
+            if entry.key in self.index:
+                await self.index.discard_if_stale(entry.key)
+            return
+        previous = slot.content
+        model = RouterModels.slot_model(backend, prompt.model)
+        result = await swap.restore_file(backend.client, slot.id, entry.key, model)
+        self.note_restore(backend, prompt.model, result, record)
+        log.info("restore_before_chat key=%s slot=%s ok=%s n_restored=%s ms=%.1f%s", entry.key[:16], slot.name,
+                 str(result.ok).lower(), result.body.get("n_restored"), result.ms,
+                 "" if result.ok else f" reason={result.error!r}")
+        record.restore_share = candidate.ratio
+        record.restore_exact = candidate.exact
+        if result.ok:
+            restored_tokens = record.restored_tokens or 0
+            share = candidate.shared / max(len(entry.exact), 1) if candidate.exact else candidate.ratio
+            record.restore_expected = min(restored_tokens, entry.n_tokens or restored_tokens) * min(share, 1.0)
+            chain = entry.exact if candidate.exact else ()
+            slot.content = Content(entry.key, chain, saved=True, keep=True, model=prompt.model,
+                                   tokens=int_or_none(result.body.get("n_restored")), fingerprint=entry.fingerprint)
+            record.cache_hit = candidate.exact
+            self.saver.spawn(self.index.touch(entry.key))  # the file timestamp is rewritten off the path
+            return
+        log.warning("restore_failed key=%s slot=%s status=%s reason=%r: the server cleared the slot", entry.key[:16],
+                    slot.name, result.status, result.error)
+        slot.content = None
+        await self.index.discard_if_stale(entry.key)
+        if previous is not None and previous.saved:
+            back = await swap.restore_file(backend.client, slot.id, previous.key, model)
+            if back.ok:
+                slot.content = previous
+                log.info("restore_back key=%s slot=%s: the slot holds its previous cache again", previous.key[:16],
+                         slot.name)
+
+    def note_restore(self, backend: Backend, model: str, result: SlotAction, record: RequestRecord) -> None:
+        """A restore's answer, in the record and (when it worked) in the backend's restore speed."""
+        record.restored, record.restore_ms = result.ok, result.ms
+        record.restore_bytes = int_or_none(result.body.get("n_read"))
+        record.restored_tokens = int_or_none(result.body.get("n_restored"))
+        if result.ok:
+            self.speeds.of(backend.index, RouterModels.served(backend, model)).restore.add(
+                result.ms, record.restored_tokens or 0)
+
+    async def swap_session(self, choice: Choice, backend: Backend, prompt: Prompt, want: Content,
+                           record: RequestRecord) -> None:
+        slot = choice.slot
+        info = self.sessions.get(want.key)
+        restore = True
+        if info is not None and info.saved_chain and (slot.content is None or slot.content.key != want.key):
+            speeds = self.speeds.of(backend.index, RouterModels.served(backend, prompt.model))
+            gained = common_prefix(info.saved_chain, prompt.exact)
+            restore = speeds.restore_pays(round(speeds.tokens_of(len(info.saved_chain))), speeds.tokens_of(gained))
+            record.restore_skipped = not restore or None
+        result = await swap.bring_in(backend.client, slot.id, slot.content, want, self.saver.folders[backend.index],
+                                     RouterModels.slot_model(backend, prompt.model), restore=restore)
+        if result.saved is not None and slot.content is not None:
+            self.saver.saved_held(backend, slot, slot.content, result.saved, record)
+        slot.content = result.held
+        restored = result.restored
+        if restored is not None:
+            self.note_restore(backend, prompt.model, restored, record)
+            record.restore_exact = True
+            if info is not None and info.saved_chain and prompt.exact:
+                shared = common_prefix(info.saved_chain, prompt.exact)
+                record.restore_share = shared / len(prompt.exact)
+                record.restore_expected = (record.restored_tokens or 0) * shared / len(info.saved_chain)
+            if restored.ok and info is not None:
+                info.restores += 1
+                if slot.content is not None:
+                    slot.content = replace(slot.content, chain=info.saved_chain,
+                                           tokens=int_or_none(restored.body.get("n_restored")))
+        hit = result.skipped == "resident" or bool(restored is not None and restored.ok)
+        record.cache_hit = hit
+        if info is not None and hit:
+            info.cache_hits += 1
+
+    # ---- after the answer: did the slot hold what lpcache believed? ----
+
+    def judge(self, choice: Choice, backend: Backend, prompt: Prompt, record: RequestRecord) -> None:
+        """Check `cache_n` against what the slot was believed to hold: a restore for `reuse` (foreign files that
+        fell short are dropped), a resident prefix for the truth about the slots."""
+        if record.cache_n is None:
+            return
+        if record.restored and record.restore_expected:
+            if record.restore_exact:
+                record.restore_reused = self.reuse.judge(
+                    backend.index, RouterModels.served(backend, prompt.model),
+                    choice.restore.entry.key if choice.restore is not None else (record.session or ""),
+                    record.restore_expected, record.cache_n, backend.url)
+            elif record.cache_n < REUSE_SHORT * record.restore_expected and choice.restore is not None:
+                record.restore_reused = False
+                self.saver.spawn(self.index.drop(choice.restore.entry.key, "foreign_not_reused"))
+            return
+        if record.cache_hit and choice.resident:
+            speeds = self.speeds.of(backend.index, RouterModels.served(backend, prompt.model))
+            expected = speeds.tokens_of(choice.resident)
+            if expected >= REUSE_MIN_TOKENS and record.cache_n < REUSE_SHORT * expected:
+                backend.suspect = True
+                record.cache_hit = False
+                log.warning("slot_belief_wrong slot=%s expected_tokens=%d cache_n=%d: the slot did not hold what "
+                            "lpcache believed; its slots are checked before their next use", choice.slot.name,
+                            expected, record.cache_n)
