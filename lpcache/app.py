@@ -43,6 +43,7 @@ from .slots import SlotPool
 
 log = logging.getLogger("lpcache")
 
+KEEPALIVE_SECONDS = 4.0   # below llama-server's own idle keep-alive (5 s)
 ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
 
 
@@ -276,7 +277,9 @@ def create_app(settings: Settings, plugins: Loaded | None = None) -> Starlette:
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60))
+        # llama-server closes a keep-alive connection after 5 s idle: a pooled one kept longer is found dead by the
+        # next request (a save, a chat), which then fails. Keep them a little less than the server does.
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_SECONDS))
         index = MetaIndex(settings.meta_dir, settings.words_per_block, settings.meta_max, settings.slot_save_paths,
                           meta_max_bytes(settings))
         try:

@@ -142,6 +142,9 @@ class Attempts:
         # The prompt was read to its end when the answer (or its first token) came: only then does the slot hold it.
         prefilled = delivered or self.record.ttft_ms is not None or self.record.cache_n is not None
         self.p.filler.judge(choice, backend, self.prompt, self.record)
+        route = route_name(self.prompt.model)
+        if backend.router and route in backend.slots_guessed:   # the request loaded the model: count its slots
+            self.p.spawn(self.p.routers.recount_slots(backend, route))
         self.p.spawn(self.p.saver.after(choice, backend, self.prompt, self.big, self.record, self.want, prefilled,
                                         self.held_blocks(choice)))
 

@@ -200,10 +200,14 @@ class UsageTable:
     def typical(self) -> float | None:
         return statistics.median(self._recent) if self._recent else None
 
-    def add(self, key: str, size: int, t: float, supersedes: Iterable[str] = ()) -> Usage:
+    def add(self, key: str, size: int, t: float, supersedes: Iterable[str] = (),
+            history: Iterable[Usage] = ()) -> Usage:
         """A cache saved at `t`; it takes over the history of the entries it makes redundant (and of an earlier
-        save under the same key), which leave the table."""
+        save under the same key), which leave the table, and of `history` (records of entries deleted earlier
+        whose conversation it continues)."""
         usage = Usage(key, max(0, size), t)
+        for old in history:
+            usage.inherit(old)
         for old_key in (key, *supersedes):
             old = self.remove(old_key)
             if old is not None:

@@ -23,6 +23,7 @@ import hashlib
 import logging
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,13 +31,14 @@ from typing import TypeVar
 
 import orjson
 
-from .eviction import UsageTable
+from .eviction import Usage, UsageTable
 from .prefix import Prompt, chain
 
 log = logging.getLogger("lpcache.index")
 T = TypeVar("T")
 
 META_SUFFIX = ".meta.json"
+GHOSTS_MIN = 1024   # usage records of deleted entries kept (at least; 4 x META_MAX when that is more)
 FORMAT_VERSION = 1
 
 
@@ -194,6 +196,10 @@ class MetaIndex:
         self._words: dict[str, dict[int, str | set[str]]] = {}
         self._ends: dict[str, dict[int, str | set[str]]] = {}
         self._protected: dict[str, int] = {}
+        # The usage of entries the limits deleted, by the digest their chain ended at: a conversation that comes
+        # back with a new save takes its rhythm over (a deleted file would otherwise make it look brand new, and
+        # the first to go again). Bounded: the oldest are forgotten.
+        self._ghosts: OrderedDict[tuple[str, int], Usage] = OrderedDict()
         self.evicted = 0          # entries deleted by the limits since start
         self.lost = 0             # restores that found their entry gone (see `lost_restore`)
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lpcache-meta")
@@ -320,7 +326,7 @@ class MetaIndex:
         if old is not None:
             self._unindex(old)
         removed = self._redundant(entry)
-        self._insert(entry, [r.key for r in removed])   # it takes over their history of uses
+        self._insert(entry, [r.key for r in removed], self._ghost_of(entry, now))   # it takes over their history
         for r in removed:
             self._remove(r)
         removed += self._over_limit(keep=entry.key)
@@ -446,11 +452,29 @@ class MetaIndex:
         spare = {keep, *self._protected}
         for key in self._usage.victims(time.time(), self.meta_max, self.max_bytes, spare):
             entry = self._entries.get(key)
+            usage = self._usage.get(key)
             if entry is not None:
+                if usage is not None and not entry.foreign:
+                    self._ghosts[(entry.fingerprint or "", entry.exact[-1])] = usage
+                    while len(self._ghosts) > max(GHOSTS_MIN, 4 * self.meta_max):
+                        self._ghosts.popitem(last=False)
                 self._remove(entry)
                 removed.append(entry)
         self.evicted += len(removed)
         return removed
+
+    def _ghost_of(self, entry: MetaEntry, now: float) -> list[Usage]:
+        """The usage of a deleted entry whose conversation this new save continues (its chain passes through the
+        digest the deleted one ended at): the request that made this save is its use."""
+        if entry.foreign or not self._ghosts:
+            return []
+        fingerprint = entry.fingerprint or ""
+        for digest in reversed(entry.exact):
+            ghost = self._ghosts.pop((fingerprint, digest), None)
+            if ghost is not None:
+                ghost.use(now)
+                return [ghost]
+        return []
 
     def _table(self, entry: MetaEntry) -> tuple[dict[int, str | set[str]], tuple[int, ...]] | None:
         if not entry.foreign:
@@ -459,13 +483,14 @@ class MetaIndex:
             return None
         return self._words.setdefault(entry.model, {}), entry.chain
 
-    def _insert(self, entry: MetaEntry, supersedes: Sequence[str] | None = None) -> None:
+    def _insert(self, entry: MetaEntry, supersedes: Sequence[str] | None = None,
+                history: Sequence[Usage] = ()) -> None:
         """Index an entry; `supersedes` None: read back at start (its history is in its meta file)."""
         self._entries[entry.key] = entry
         if supersedes is None:
             self._usage.load(entry.key, entry.size, entry.timestamp, entry.interval, entry.uses)
         else:
-            usage = self._usage.add(entry.key, entry.size, entry.timestamp, supersedes)
+            usage = self._usage.add(entry.key, entry.size, entry.timestamp, supersedes, history)
             entry.uses, entry.interval = usage.uses, usage.interval
         found = self._table(entry)
         if found is None:

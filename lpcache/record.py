@@ -56,7 +56,9 @@ class RequestRecord:
     restore_exact: bool | None = None  # the restored file's content matched the prompt exactly (not a word guess)
     restore_expected: float | None = None  # tokens the restore should have brought (judged against cache_n)
     restore_lost: bool | None = None   # True: the chosen cache's file was gone before its restore (eviction)
+    restore_file: str | None = None    # the file restored (prefix mode)
     saved: bool | None = None
+    save_file: str | None = None       # the file the slot was saved to
     save_ms: float | None = None
     save_bytes: int | None = None      # written by the server to the slot file
     retries: int = 0                   # failovers to another backend or slot

@@ -109,6 +109,9 @@ class Saver:
             if not prefilled:   # a JSON answer the client left: did the server get past the prompt?
                 n = await swap.decoded(backend.client, choice.slot.id, RouterModels.slot_model(backend, prompt.model))
                 prefilled = bool(n)
+            previous = choice.slot.content
+            if previous is not None and not record.restored and held_blocks and previous.key in self.index:
+                self.index.note_use(previous.key)   # continued in the slot that holds it: a use of its file
             content = self.content_after(backend, prompt, big, record, want, prefilled, held_blocks)
             if (content is not None and content.keep and big and self.settings.save_policy == "eager"
                     and self.enabled(backend, prompt.model)):
@@ -171,7 +174,7 @@ class Saver:
         return content
 
     def record_save(self, backend: Backend, content: Content, result: SlotAction, record: RequestRecord) -> None:
-        record.saved, record.save_ms = result.ok, result.ms
+        record.saved, record.save_ms, record.save_file = result.ok, result.ms, content.key
         record.save_bytes = int_or_none(result.body.get("n_written"))
         if result.ok:
             self.speeds.of(backend.index, RouterModels.served(backend, content.model)).save.add(

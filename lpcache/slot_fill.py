@@ -213,6 +213,7 @@ class SlotFiller:
                  "" if result.ok else f" reason={result.error!r}")
         record.restore_share = candidate.ratio
         record.restore_exact = candidate.exact
+        record.restore_file = entry.key
         if result.ok:
             restored_tokens = record.restored_tokens or 0
             share = candidate.shared / max(len(entry.exact), 1) if candidate.exact else candidate.ratio

@@ -109,42 +109,49 @@ def push_out(proxy: Proxy, first: list[dict[str, Any]], other: list[dict[str, An
     return answer_a, answer_b
 
 
-def test_without_swa_full_the_first_useless_restore_stops_restores(
+def test_without_swa_full_three_useless_restores_stop_restores(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The verdict rests on evidence: restores of three different files that match their prompts exactly, each
+    followed by a full re-computation. Two are not enough (one request must never turn caching off)."""
     caplog.set_level(logging.WARNING)
     with gemma(tmp_path) as server, proxy_for(server, tmp_path) as (proxy, sent):
-        a1, b1 = conversation(101, WORDS), conversation(102, WORDS)
-        assert len(tokens(server.url, a1)) > WINDOW + 64   # past the window: the restore cannot be resumed
-        answer_a, answer_b = push_out(proxy, a1, b1)
-        assert sent == {"save": 2}
+        firsts = [conversation(101 + i, WORDS) for i in range(3)]
+        assert len(tokens(server.url, firsts[0])) > WINDOW + 64   # past the window: the restore cannot be resumed
+        answers = [turn(proxy, m)[0] for m in firsts]               # each pushes the previous out of the only slot
+        assert sent == {"save": 3}
 
-        # A's next turn: its cache is restored from disk, and the server computes the whole prompt anyway.
-        a2 = follow_up(a1, answer_a)
-        answer_a2, rec = turn(proxy, a2)
-        figures("restore without --swa-full", rec, shared(tokens(server.url, a1), tokens(server.url, a2)))
-        assert rec.restored is True and rec.restored_tokens is not None and rec.restored_tokens > WINDOW
-        assert rec.cache_n is not None and rec.cache_n < 0.1 * rec.restored_tokens
-        assert rec.restore_reused is False
-        assert not rec.saved                                # saving stopped with the detection
-        assert server.log_text().count(NOT_REUSED) == 1     # the server's own word: the restore was not used
-        warnings = [r.getMessage() for r in caplog.records if r.getMessage().startswith("restore_not_reused")]
-        assert len(warnings) == 1 and "--swa-full" in warnings[0]
-        assert metric(proxy, "lpcache_restores_not_reused_total") == 1
-        assert sent == {"save": 2, "restore": 1}
+        # Each conversation's next turn: its cache is restored from disk, and the server computes it all anyway.
+        seconds = []
+        for i, (first, answer) in enumerate(zip(firsts, answers, strict=True)):
+            nxt = follow_up(first, answer)
+            answer2, rec = turn(proxy, nxt)
+            seconds.append((nxt, answer2))
+            figures(f"restore {i + 1} without --swa-full", rec, shared(tokens(server.url, first),
+                                                                      tokens(server.url, nxt)))
+            assert rec.restored is True and rec.restore_exact is True
+            assert rec.restored_tokens is not None and rec.restored_tokens > WINDOW
+            assert rec.cache_n is not None and rec.cache_n < 0.1 * rec.restored_tokens
+            assert rec.restore_reused is False
+            verdicts = [r.getMessage() for r in caplog.records if r.getMessage().startswith("restore_not_reused")]
+            assert len(verdicts) == (1 if i == 2 else 0)
+            assert bool(rec.saved) is (i < 2)                      # saving stops with the verdict
+        assert "--swa-full" in verdicts[0]
+        assert server.log_text().count(NOT_REUSED) == 3           # the server's own word: no restore was used
+        assert metric(proxy, "lpcache_restores_not_reused_total") == 3
+        assert metric(proxy, "lpcache_reuse_verdicts_total") == 1
+        assert sent == {"save": 5, "restore": 3}
         files = slot_files(server)
-        assert len(files) == 2
 
         # More turns, each with a saved cache that shares most of its prompt: none is restored or saved.
-        for messages in (follow_up(b1, answer_b), follow_up(a2, answer_a2)):
-            _, rec = turn(proxy, messages)
+        for nxt, answer2 in seconds[:2]:
+            _, rec = turn(proxy, follow_up(nxt, answer2))
             figures("later turn", rec)
             assert rec.big and not rec.restored and not rec.saved
             assert rec.prompt_n is not None and rec.prompt_n > WINDOW   # computed in full, as expected now
-        assert sent == {"save": 2, "restore": 1}
+        assert sent == {"save": 5, "restore": 3}
         assert slot_files(server) == files
-        assert server.log_text().count(NOT_REUSED) == 1
+        assert server.log_text().count(NOT_REUSED) == 3
         assert len([r for r in caplog.records if r.getMessage().startswith("restore_not_reused")]) == 1
-        assert metric(proxy, "lpcache_restores_not_reused_total") == 1
 
 
 def test_with_swa_full_a_restore_is_reused(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -128,7 +128,8 @@ def test_pushed_out_conversation_is_restored_exactly(llama: LlamaServer, tmp_pat
         for seed in (2, 3):
             assert proxy.post(body(conversation(seed))).status_code == 200
         proxy.settle()
-        assert all(s.content is not None and s.content.key != proxy.records[0].key for s in proxy.pipeline.pool.slots)
+        saved = proxy.records[0].save_file
+        assert all(s.content is not None and s.content.key != saved for s in proxy.pipeline.pool.slots)
 
         restored_raw, restored_ttft = stream(proxy.url, body(second))
         proxy.wait_finished(4)
@@ -168,7 +169,7 @@ def test_client_leaving_mid_stream_frees_and_saves_the_slot(llama: LlamaServer, 
         record = proxy.records[0]
         assert record.reason == "client_disconnected"
         assert record.saved is True
-        assert os.path.exists(os.path.join(llama.slot_save_path or "", record.key))
+        assert record.save_file and os.path.exists(os.path.join(llama.slot_save_path or "", record.save_file))
         assert proxy.busy_slots() == []
         # The next request for that slot is served at once, and finds the saved prefix in it.
         again = proxy.post(body(messages, max_tokens=4))
@@ -196,8 +197,12 @@ def test_with_the_default_ram_cache_a_pushed_out_conversation_still_comes_back(t
             proxy.stop()
 
 
-def test_json_client_hanging_up_stops_generation_and_frees_the_slot(llama: LlamaServer, tmp_path: Any) -> None:
-    """What the stand-in imitates: llama-server stops a JSON request whose client hung up."""
+@pytest.mark.parametrize("during", ["prefill", "generation"])
+def test_json_client_hanging_up_stops_generation_and_frees_the_slot(llama: LlamaServer, tmp_path: Any,
+                                                                    during: str) -> None:
+    """What the stand-in imitates: llama-server stops a JSON request whose client hung up. The slot's cache is
+    saved only when the server had read the whole prompt (it had started generating: GET /slots n_decoded); a
+    partial prefill is never saved as if it held the prompt."""
     import json as _json
     import socket
 
@@ -209,14 +214,21 @@ def test_json_client_hanging_up_stops_generation_and_frees_the_slot(llama: Llama
         sock = socket.create_connection(("127.0.0.1", proxy.server.port))
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
-        # Wait until llama-server is working on it (its slot is processing), then hang up.
+        # Wait until llama-server is reading the prompt, or generating, then hang up.
         deadline = time.monotonic() + 120
-        while not any(s["is_processing"] for s in httpx.get(f"{llama.url}/slots").json()):
+
+        def ready() -> bool:
+            slots = [s for s in httpx.get(f"{llama.url}/slots").json() if s["is_processing"]]
+            decoded = [s["next_token"][0]["n_decoded"] for s in slots]
+            return bool(slots) and (during == "prefill" or decoded[0] > 0)
+
+        while not ready():
             assert time.monotonic() < deadline
         sock.close()
         proxy.wait_finished(1, timeout=120)
         record = proxy.records[0]
-        assert record.reason == "client_disconnected" and record.saved is True
+        assert record.reason == "client_disconnected"
+        assert bool(record.saved) is (during == "generation")
         assert proxy.busy_slots() == []
         assert not any(s["is_processing"] for s in httpx.get(f"{llama.url}/slots").json())
     finally:

@@ -78,7 +78,8 @@ def run_through_lpcache(server: LlamaServer, workload: list[Turn], tmp_path: Any
     run.restores = sum(1 for r in records if r.restored)
     assert server.slot_save_path is not None
     names = os.listdir(server.slot_save_path)
-    assert names and all(n.startswith(route_tag("smollm2")) for n in names)
+    fingerprint = proxy.pipeline.backends[0].fingerprint
+    assert names and all(n.startswith(route_tag("smollm2", fingerprint)) for n in names)
     assert len(names) == 9                               # one file per session, overwritten in place
     run.folder = sum(os.path.getsize(os.path.join(server.slot_save_path, n)) for n in names)
     return run

@@ -1,0 +1,257 @@
+"""Cache decisions on traffic as clients really send it (lpcache.chats: mixed case, punctuation, Unicode, code,
+several system messages, tools, tool calls and results, names, images), against the stand-in, which renders all of
+it into its prompt as a chat template does.
+
+Every "hit" must be one (the server took from the slot what lpcache believed it held), no near-duplicate may turn
+caching off, nothing sent past lpcache's pool may leave a false belief behind, a file of another model is never
+restored, a router caches in prefix mode, and a working set a little larger than META_MAX keeps most of its hits.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from lpcache import chats
+from lpcache.config import BackendConfig
+from lpcache.index import prefix_file
+from lpcache.prefix import Prompt
+
+from ..conftest import Proxy
+from .conftest import STAND_IN_FP, mock_stats
+
+PREFILL = 0.5   # ms per token on the stand-in: a restore pays (the stand-in's restores take about no time)
+
+
+def tokens(backend: Any, body: dict[str, Any]) -> list[int]:
+    prompt = httpx.post(f"{backend.url}/apply-template", json=body).json()["prompt"]
+    return httpx.post(f"{backend.url}/tokenize", json={"content": prompt}).json()["tokens"]  # type: ignore[no-any-return]
+
+
+def lcp(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def send(proxy: Proxy, body: dict[str, Any]) -> httpx.Response:
+    r = proxy.client.post("/v1/chat/completions", json={**body, "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    proxy.settle()
+    return r
+
+
+class Ledger:
+    """What each slot and each file holds, by the bodies that made them, to check lpcache's claims independently:
+    a request that says it hit (or restored) must get at least 90 % of the tokens it shares with what was there."""
+
+    def __init__(self, proxy: Proxy, backend: Any, fingerprint: str = STAND_IN_FP) -> None:
+        self.proxy, self.backend, self.fingerprint = proxy, backend, fingerprint
+        self.slots: dict[str, list[int]] = {}
+        self.files: dict[str, list[int]] = {}
+        self.checked = 0
+
+    def send(self, body: dict[str, Any]) -> httpx.Response:
+        n = len(self.proxy.records)
+        r = send(self.proxy, body)
+        self.proxy.wait_finished(n + 1)
+        record = self.proxy.records[n]
+        mine = tokens(self.backend, body)
+        cache_n = r.json()["timings"]["cache_n"]
+        held = None
+        if record.restored and record.restore_file:
+            held = self.files[record.restore_file]
+        elif r.headers["x-lpcache-cache-hit"] == "true":
+            held = self.slots[r.headers["x-lpcache-slot"]]
+        if r.headers["x-lpcache-cache-hit"] == "true":
+            assert held is not None
+            assert cache_n >= 0.9 * lcp(held, mine) - 1, (record.restore_file, cache_n, lcp(held, mine))
+            self.checked += 1
+        self.slots[r.headers["x-lpcache-slot"]] = mine
+        if record.saved:
+            self.files[prefix_file(record.key, self.fingerprint)] = mine
+        return r
+
+
+def test_near_duplicates_never_turn_caching_off_and_every_hit_is_one(start_backend: Any, start_proxy: Any) -> None:
+    backend = start_backend(slots=1, prefill_ms_per_token=PREFILL)
+    proxy = start_proxy(backend)
+    ledger = Ledger(proxy, backend)
+    h = chats.harness(1, n_chars=1500, n_tools=4)
+    base = chats.request(11, 300, h, turns=4, images=True, tool_rate=0.7)
+    other = chats.request(12, 300)
+    ledger.send(base)
+    for kind, near in chats.variants(base, seed=3).items():
+        ledger.send(other)                      # pushes the last one out of the only slot
+        r = ledger.send(near)
+        record = proxy.records[-1]
+        assert record.restore_reused is not False, kind
+        assert r.headers["x-lpcache-restored"] in ("true", "false")
+    assert proxy.pipeline.reuse.turned_off == 0
+    assert not [r for r in proxy.records if r.restore_reused is False]
+    assert ledger.checked >= 5                 # hits and restores happened, and each was checked
+    assert [r for r in proxy.records if r.restored]
+
+
+def test_a_conversation_with_tool_calls_is_restored_exactly(start_backend: Any, start_proxy: Any) -> None:
+    backend = start_backend(slots=1, prefill_ms_per_token=PREFILL)
+    proxy = start_proxy(backend)
+    ledger = Ledger(proxy, backend)
+    h = chats.harness(2, n_chars=2000, n_tools=5)
+    conv = chats.Conversation(21, h, turns=6, n_words=900, tool_rate=0.6, images=True)
+    interloper = chats.Conversation(22, h, turns=6, n_words=900, tool_rate=0.6)
+    for _ in range(5):
+        ledger.send(conv.body)
+        ledger.send(interloper.body)            # the same harness: a shared prefix, then another conversation
+        conv.advance(chats.assistant_text(conv.turn))
+        interloper.advance(chats.assistant_text(100 + interloper.turn))
+    later = [r for r in proxy.records[2:] if r.restored]
+    assert later and all(r.restore_exact and r.restore_reused for r in later)
+    assert proxy.pipeline.reuse.turned_off == 0
+
+
+def test_a_completion_between_two_chat_turns_leaves_no_false_hit(start_backend: Any, start_proxy: Any) -> None:
+    backend = start_backend(slots=1, prefill_ms_per_token=PREFILL)
+    proxy = start_proxy(backend)
+    ledger = Ledger(proxy, backend)
+    conv = chats.Conversation(31, chats.harness(3), turns=3, n_words=500)
+    ledger.send(conv.body)
+    r = proxy.client.post("/v1/completions", json={"prompt": "Ünïcode, code `x = 1`; and more " * 20,
+                                                   "max_tokens": 3})
+    assert r.status_code == 200
+    proxy.settle()
+    assert mock_stats(backend)["chat_by_slot"] == {"0": 2}     # pinned to the slot lpcache gave it
+    assert proxy.pipeline.pool.slots[0].content is None        # what it holds now is unknown to lpcache
+    r = ledger.send(conv.advance(chats.assistant_text(1)))
+    assert r.headers["x-lpcache-restored"] == "true" and r.headers["x-lpcache-cache-hit"] == "true"
+    assert proxy.busy_slots() == []
+
+
+def test_client_slot_actions_are_refused_unless_allowed(start_backend: Any, start_proxy: Any) -> None:
+    backend = start_backend(slots=1)
+    proxy = start_proxy(backend)
+    send(proxy, chats.request(41, 200))
+    r = proxy.client.post("/slots/0?action=erase", json={})
+    assert r.status_code == 403
+    error = r.json()["error"]
+    assert error["type"] == "permission_error" and error["code"] == "slot_actions_refused"
+    assert "CLIENT_SLOT_ACTIONS" in error["message"]
+    assert mock_stats(backend)["erases"] == 0
+    assert proxy.client.get("/slots").status_code == 200       # reading is fine
+
+    allowed = start_proxy(backend, client_slot_actions=True)
+    send(allowed, chats.request(42, 200))
+    assert allowed.pipeline.pool.slots[0].content is not None
+    assert allowed.client.post("/slots/0?action=erase", json={}).status_code == 200
+    allowed.settle()
+    assert allowed.pipeline.pool.slots[0].content is None and mock_stats(backend)["erases"] == 1
+
+
+def test_a_model_swapped_behind_the_url_is_never_restored_into(start_backend: Any, start_proxy: Any,
+                                                                monkeypatch: pytest.MonkeyPatch,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    import lpcache.slot_truth
+
+    monkeypatch.setattr(lpcache.slot_truth, "SLOTS_TRUSTED_FOR", 0.0)   # check before every request
+    first = start_backend(slots=1, model="base-model", prefill_ms_per_token=PREFILL)
+    proxy = start_proxy(first)
+    conv = chats.Conversation(51, turns=3, n_words=400)
+    send(proxy, conv.body)
+    send(proxy, chats.request(52, 300))                  # conv is pushed out: only its file holds it
+    port = int(first.url.rsplit(":", 1)[1])
+    first.stop()
+    swapped = start_backend(slots=1, model="finetuned-model", port=port, prefill_ms_per_token=PREFILL)
+    r = send(proxy, conv.advance("An answer."))
+    assert r.headers["x-lpcache-restored"] == "false" and r.headers["x-lpcache-cache-hit"] == "false"
+    assert mock_stats(swapped)["restores"] == 0
+    assert "backend_model_changed" in caplog.text
+    # Its own caches work as before.
+    again = send(proxy, conv.advance("Another answer."))
+    assert again.headers["x-lpcache-cache-hit"] == "true"
+
+
+def test_a_router_caches_in_prefix_mode_and_ignores_unknown_models(start_backend: Any, start_proxy: Any) -> None:
+    router = start_backend(router=True, models=("a", "b"), slots=1, prefill_ms_per_token=PREFILL)
+    proxy = start_proxy(router)
+    conv = chats.Conversation(61, turns=3, n_words=400)
+    send(proxy, {**conv.body, "model": "a"})
+    send(proxy, {**chats.request(62, 300), "model": "a"})        # pushes conv out of a's only slot
+    r = send(proxy, {**conv.advance("An answer."), "model": "a"})
+    assert r.headers["x-lpcache-restored"] == "true" and r.headers["x-lpcache-cache-hit"] == "true"
+    actions = mock_stats(router)["slot_actions"]
+    assert {a["action"] for a in actions} == {"save", "restore"}
+    assert all(a["model"] == "a" and a["status"] == 200 for a in actions)
+
+    slots, speeds = len(proxy.pipeline.pool.slots), len(proxy.pipeline.speeds)
+    typo = proxy.client.post("/v1/chat/completions", json={**chats.request(63, 300), "model": "gpt-4o"})
+    assert typo.status_code == 400 and "not found" in typo.json()["error"]["message"]
+    assert len(proxy.pipeline.pool.slots) == slots and len(proxy.pipeline.speeds) == speeds
+    assert "gpt-4o" not in proxy.pipeline.backends[0].models
+
+
+def test_a_cyclic_working_set_larger_than_meta_max_keeps_most_of_its_hits(start_backend: Any,
+                                                                         start_proxy: Any) -> None:
+    """Five conversations take turns, META_MAX is 3 and one slot holds the last one: least-recently-used pruning
+    deletes exactly the conversation that comes next (no restore ever hits). The replacement order keeps most of
+    what fits (at most 3 of 5 a round)."""
+    backend = start_backend(slots=1, prefill_ms_per_token=PREFILL)
+    proxy = start_proxy(backend, meta_max=3)
+    convs = [chats.Conversation(70 + i, turns=6, n_words=300) for i in range(5)]
+    for c in convs:
+        send(proxy, c.body)
+    restored = 0
+    for round_ in range(1, 6):
+        for c in convs:
+            r = send(proxy, c.advance(chats.assistant_text(round_)))
+            restored += r.headers["x-lpcache-restored"] == "true"
+        assert len(proxy.pipeline.index) <= 3
+    assert restored >= 0.3 * 5 * len(convs), restored   # LRU: 0 (each restore finds its file just deleted)
+    assert proxy.pipeline.index.lost == 0
+
+
+def test_a_client_leaving_during_the_prefill_saves_nothing_and_keeps_the_last_file(
+        start_backend: Any, start_proxy: Any, slot_dir: str) -> None:
+    backend = start_backend(slots=1, prefill_ms_per_token=20)
+    proxy = start_proxy(backend)
+    conv = chats.Conversation(81, turns=3, n_words=300)
+    send(proxy, conv.body)
+    [saved] = list(proxy.pipeline.index._entries)
+    body = {**conv.advance("An answer."), "stream": True, "max_tokens": 50}
+    payload = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", proxy.server.port))
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+    deadline = time.monotonic() + 10
+    while mock_stats(backend)["chat_requests"] < 2:      # the server is reading the prompt (20 ms a token)
+        assert time.monotonic() < deadline
+    sock.close()
+    proxy.wait_finished(2)
+    record = proxy.records[1]
+    assert record.reason == "client_disconnected" and not record.saved
+    assert list(proxy.pipeline.index._entries) == [saved]              # the complete file is not superseded
+    assert saved in __import__("os").listdir(slot_dir)
+    assert proxy.busy_slots() == []
+
+
+def test_generation_routes_fail_over_and_answer_in_openai_shape(start_backend: Any, start_proxy: Any) -> None:
+    from lpcache.testing import free_port
+
+    live = start_backend(slots=1)
+    proxy = start_proxy(BackendConfig(f"http://127.0.0.1:{free_port()}", 1), live)
+    r = proxy.client.post("/v1/completions", json={"prompt": "hello there", "max_tokens": 2})
+    assert r.status_code == 200 and mock_stats(live)["chat_requests"] == 1
+    bad = proxy.client.post("/v1/completions", content=b"{not json")
+    assert bad.status_code == 400                       # the server's own answer to a body it cannot read
+    assert proxy.busy_slots() == []
+
+
+def test_prompt_key_is_exact() -> None:
+    a = Prompt.of("m", [{"role": "user", "content": "Hello"}], 10)
+    b = Prompt.of("m", [{"role": "system", "content": "Hello"}], 10)
+    assert a.key != b.key
