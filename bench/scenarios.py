@@ -62,6 +62,7 @@ class Scenario:
     concurrency: int = 1
     alone_as: str | None = None      # the server alone is run as in this other scenario (same figures)
     repeat: int = 1                  # runs of each setup, interleaved; the one with the median time is reported
+    users: int | None = None         # its own number of users (conversations: users x kinds), else --users
 
 
 SCENARIOS = (
@@ -73,6 +74,9 @@ SCENARIOS = (
     Scenario("sessions", "Sessions on one slot (-np 1 --cache-ram 0), X-Session-ID sent", n_slots=1, cache_ram=0,
              session=True),
     Scenario("ram0-c4", "As ram0, four requests at a time", cache_ram=0, concurrency=4),
+    Scenario("two-12", "Two llama-servers (-np 2, default --cache-ram) behind lpcache, 12 conversations (4 users x 3 "
+             "kinds) two at a time; one llama-server (-np 2, default --cache-ram) alone", servers=2, concurrency=2,
+             users=4),
 )
 
 
@@ -245,12 +249,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     results: list[Result] = []
     for scenario in chosen:
+        load = workload if scenario.users is None else turns(
+            users=scenario.users, kinds=kinds, rounds=args.rounds, first_words=args.first_words,
+            part_words=args.part_words)
         runs: dict[str | None, list[Result]] = {}
         for _ in range(scenario.repeat):   # interleaved, so a slow spell of the machine hits every setup alike
             for policy in (None, *POLICIES):
                 same = next((r for r in results if r.scenario == scenario.alone_as and r.setup ==
                              "llama-server alone"), None) if policy is None else None
-                run = Result(scenario.name, same.setup, same.summary) if same else one_run(scenario, workload,
+                run = Result(scenario.name, same.setup, same.summary) if same else one_run(scenario, load,
                                                                                            policy, say)
                 runs.setdefault(policy, []).append(run)
         for policy in (None, *POLICIES):

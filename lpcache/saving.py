@@ -106,9 +106,13 @@ class Saver:
         content: Content | None = None
         try:
             self.learn(backend, prompt, record)
-            if not prefilled:   # a JSON answer the client left: did the server get past the prompt?
-                n = await swap.decoded(backend.client, choice.slot.id, RouterModels.slot_model(backend, prompt.model))
-                prefilled = bool(n)
+            if not prefilled:
+                # The client left before the first token: the server notices only between two batches of the
+                # prompt, so wait until it has let go of the slot (a request pinned to a busy slot misbehaves),
+                # then ask whether it got past the prompt after all.
+                model = RouterModels.slot_model(backend, prompt.model)
+                await swap.wait_idle(backend.client, choice.slot.id, model)
+                prefilled = bool(await swap.decoded(backend.client, choice.slot.id, model))
             previous = choice.slot.content
             if previous is not None and not record.restored and held_blocks and previous.key in self.index:
                 self.index.note_use(previous.key)   # continued in the slot that holds it: a use of its file

@@ -1,0 +1,79 @@
+"""The package's shape, as the trust issue asked for it: no import cycle, a short pipeline, and every `/slots` call
+made in one module (`swap`), so a slot call is built the same way everywhere (on a router: naming the model)."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "lpcache"
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+        out[name] = path
+    return out
+
+
+def imports(name: str, path: Path) -> set[str]:
+    """The lpcache modules a module imports at load time (TYPE_CHECKING blocks and function bodies left out)."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in tree.body:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            continue
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join([*base, node.module] if node.module else base)
+            else:
+                target = node.module or ""
+            if target.startswith("lpcache"):
+                if node.module:      # `from . import x` names submodules, not the package itself
+                    found.add(target)
+                found.update(f"{target}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("lpcache"))
+    return found
+
+
+def test_no_import_cycle_in_the_package() -> None:
+    mods = modules()
+    graph = {m: {i for i in imports(m, p) if i in mods and i != m} for m, p in mods.items()}
+    done: set[str] = set()
+
+    def visit(m: str, stack: list[str]) -> None:
+        if m in stack:
+            raise AssertionError("import cycle: " + " -> ".join([*stack[stack.index(m):], m]))
+        if m in done:
+            return
+        for n in sorted(graph[m]):
+            if n == "lpcache" or m == "lpcache":   # the package root re-exports; submodules never import it
+                continue
+            visit(n, [*stack, m])
+        done.add(m)
+
+    for m in sorted(graph):
+        visit(m, [])
+
+
+def test_attempts_does_not_import_the_pipeline() -> None:
+    assert "lpcache.pipeline" not in imports("lpcache.attempts", PACKAGE / "attempts.py")
+
+
+def test_the_pipeline_reads_in_one_short_file() -> None:
+    assert len((PACKAGE / "pipeline.py").read_text().splitlines()) < 250
+
+
+def test_every_slots_call_is_made_in_swap() -> None:
+    """llama.py knows the URLs; swap.py is the only module that calls them (save, restore, erase, GET /slots)."""
+    calls = re.compile(r"client\.(slot_action|slot_busy|slots)\(")
+    offenders = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
+                 if p.name not in ("swap.py", "llama.py") and "mock_llama" not in p.parts
+                 and calls.search(p.read_text())]
+    assert offenders == []
