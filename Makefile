@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup browser litellm demo test test-fast lint bench bench-micro
+.PHONY: setup browser litellm aiperf demo test test-fast lint bench bench-micro
 
 $(BIN)/lpcache: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,9 @@ litellm:
 browser:
 	bash scripts/get-browser.sh
 
+aiperf:
+	bash scripts/get-aiperf.sh
+
 demo: setup
 	$(BIN)/python -m lpcache.demo
 
@@ -38,9 +41,11 @@ test-fast: $(BIN)/lpcache
 	$(BIN)/python -m pytest -q -m "not e2e"
 
 # The scenarios on a real llama-server (about 21 minutes on 2 cores after the set-up): docs/benchmarks.md's tables.
+# Then NVIDIA's aiperf (its own virtualenv, scripts/get-aiperf.sh) drives multi-turn chats (about 15 minutes more).
 bench: setup
 	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
 	$(BIN)/python bench/scenarios.py
+	bash scripts/get-aiperf.sh && $(BIN)/python bench/aiperf_scenario.py
 
 # lpcache's own costs against a zero-latency stand-in (a few minutes).
 bench-micro: $(BIN)/lpcache

@@ -206,8 +206,8 @@ class UsageTable:
         save under the same key), which leave the table, and of `history` (records of entries deleted earlier
         whose conversation it continues)."""
         usage = Usage(key, max(0, size), t)
-        for old in history:
-            usage.inherit(old)
+        for past in history:
+            usage.inherit(past)
         for old_key in (key, *supersedes):
             old = self.remove(old_key)
             if old is not None:
