@@ -44,7 +44,9 @@ from typing import Any
 import aiohttp
 
 from .. import swap
+from ..backends import model_fingerprint, router_model_fingerprint
 from ..cache_files import Limits
+from ..errors import ProxyError
 from ..llama import LlamaClient
 from ..sessions import SessionBook, route_name, route_tag, session_filename, session_id
 from ..slots import Content
@@ -152,6 +154,7 @@ class SlotCacheHook(CustomLogger):
         self.sessions = SessionBook()
         self.limits: dict[tuple[str | None, str], Limits] = {}           # (save_path, route tag) -> limits
         self.skipped: set[tuple[str, str]] = set()
+        self.fingerprints: dict[tuple[str, str], str | None] = {}
         self._http: aiohttp.ClientSession | None = None
         self._clients: dict[tuple[str, str | None], LlamaClient] = {}
         _follow_litellm_logging()
@@ -184,12 +187,14 @@ class SlotCacheHook(CustomLogger):
             self._skip(str(group), str(e))
             return
         route = route_name(str(group))
-        name = session_filename(route, sid)
         model = options.model or route_name(str(kwargs.get("model") or route))
         root = server_root(str(api_base))
         api_key = kwargs.get("api_key")
         client = self._client(root, api_key if isinstance(api_key, str) and api_key != "none" else None)
-        self.limits[(options.save_path, route_tag(route))] = Limits.of(options.max_files, options.max_gib)
+        fingerprint = await self.fingerprint(client, model)
+        name = session_filename(route, sid, fingerprint)
+        self.limits[(options.save_path, route_tag(route, fingerprint))] = Limits.of(options.max_files,
+                                                                                    options.max_gib)
         folders = swap.Folders(options.save_path, lambda tag: self.limits.get((options.save_path, tag), Limits()))
 
         messages = kwargs.get("messages")
@@ -203,6 +208,28 @@ class SlotCacheHook(CustomLogger):
             state = self.states[key] = SlotState(root, model, options.slot)
         await self.switch(state, Content(name, (), keep=True, session=sid, model=model), client, folders,
                           options.save_idle_seconds)
+
+    async def fingerprint(self, client: LlamaClient, model: str) -> str | None:
+        """The identity of the model the server runs for `model` (as lpcache's proxy computes it), asked once per
+        server and model; it is part of the session files' names, so a model swapped behind the same URL never
+        restores the old one's files. None when the server does not tell (the names then carry the route only)."""
+        key = (client.url, model)
+        if key not in self.fingerprints:
+            try:
+                props = await client.props()
+                listing = await client.get_json("/v1/models")
+            except ProxyError as e:
+                log.info("slot_cache: %s does not tell its model (%s); file names carry the route only", client.url,
+                         e.message)
+                return None   # asked again next time
+            data = listing.get("data") if isinstance(listing, dict) else None
+            entries = [m for m in data if isinstance(m, dict)] if isinstance(data, list) else []
+            if props.get("role") == "router":
+                entry = next((m for m in entries if m.get("id") == model), None)
+                self.fingerprints[key] = router_model_fingerprint(entry) if entry is not None else None
+            else:
+                self.fingerprints[key] = model_fingerprint(props, entries[0] if entries else {})
+        return self.fingerprints[key]
 
     def _skip(self, route: str, why: str) -> None:
         if (route, why) not in self.skipped:

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
+from lpcache.backends import model_fingerprint
 from lpcache.sessions import route_tag
 from lpcache.testing import LlamaServer
 from lpcache.workload import ideal, turns
@@ -53,9 +54,11 @@ def test_session_workload_through_litellm_computes_about_the_ideal(tmp_path: Any
             restores = proxy.log_lines("slot_restore")
             lines = proxy.log_lines("slot_")
         names = os.listdir(slots)
+        props = httpx.get(f"{server.url}/props", timeout=30).json()
+        fingerprint = model_fingerprint(props, httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0])
     figures(f"\nthrough LiteLLM with lpcache's hook: computed {computed}, ideal {ideal_total} "
           f"({computed / ideal_total:.3f}x), {len([x for x in restores if ': ok' in x])} restores, "
           f"{len(names)} files, {seconds:.0f} s")
     assert any("slot_restore" in line and ": ok" in line for line in lines), "\n".join(lines[-20:])
     assert computed <= BOUND * ideal_total
-    assert len(names) == 3 * 3 and all(n.startswith(route_tag("smollm2")) for n in names)
+    assert len(names) == 3 * 3 and all(n.startswith(route_tag("smollm2", fingerprint)) for n in names)

@@ -19,6 +19,13 @@ from .conftest import mock_stats
 S1, S2, S3 = "1" * 32, "2" * 32, "3" * 32
 
 
+def name(hook: SlotCacheHook, backend: Any, route: str, session: str) -> str:
+    """A session's file: its route, the identity of the model the server runs for it, the session."""
+    fingerprint = hook.fingerprints[(backend.url, route)]
+    assert fingerprint is not None
+    return session_filename(route, session, fingerprint)
+
+
 def kwargs(backend: Any, session: str | None, model: str = "smol", slot_cache: Any = True,
            messages: list[dict[str, Any]] | None = None, group: str | None = None) -> dict[str, Any]:
     headers = {"x-session-id": session} if session is not None else {}
@@ -52,12 +59,12 @@ async def test_sessions_take_turns_on_the_slot(hook: SlotCacheHook, start_backen
     await send(hook, backend, S1, a)
     assert mock_stats(backend)["saves"] == 0              # nothing known in the slot yet: nothing saved
     await send(hook, backend, S2, b)                      # S1 saved under its name; S2 has no file yet
-    assert sorted(os.listdir(slot_dir)) == [session_filename("smol", S1)]
+    assert sorted(os.listdir(slot_dir)) == [name(hook, backend, "smol", S1)]
     answer = await send(hook, backend, S1, a + " more")   # S2 saved, S1 restored
     assert answer["timings"]["cache_n"] >= 200
     stats = mock_stats(backend)
     assert (stats["saves"], stats["restores"], stats["slot_actions_while_busy"]) == (2, 1, 0)
-    assert sorted(os.listdir(slot_dir)) == sorted(session_filename("smol", s) for s in (S1, S2))
+    assert sorted(os.listdir(slot_dir)) == sorted(name(hook, backend, "smol", s) for s in (S1, S2))
     before = mock_stats(backend)
     await send(hook, backend, S1, a + " more and more")   # the session is in the slot: no slot call
     after = mock_stats(backend)
@@ -101,13 +108,13 @@ async def test_route_files_limits_and_slot_setting(start_backend: Any, slot_dir:
 
         await turn(S1)
         await turn(S2)                                    # saves S1
-        assert names() == [session_filename("org/model", S1)]
+        assert names() == [name(hook, backend, "org/model", S1)]
         restores = mock_stats(backend)["restores"]
         await turn(S1)                                    # saves S2: over max_files 1, but S1 is being restored
         assert mock_stats(backend)["restores"] == restores + 1
-        assert names() == sorted(session_filename("org/model", s) for s in (S1, S2))
+        assert names() == sorted(name(hook, backend, "org/model", s) for s in (S1, S2))
         await turn(S3)                                    # saves S1; S2, used longest ago, goes
-        assert names() == [session_filename("org/model", S1)]
+        assert names() == [name(hook, backend, "org/model", S1)]
         assert {k[2] for k in hook.states} == {1}
     finally:
         await hook.close()
@@ -121,7 +128,7 @@ async def test_idle_save_writes_the_session_once(start_backend: Any, slot_dir: s
         [state] = hook.states.values()
         assert state.idle is not None
         await state.idle
-        assert os.listdir(slot_dir) == [session_filename("smol", S1)]
+        assert os.listdir(slot_dir) == [name(hook, backend, "smol", S1)]
         assert state.content is not None and state.content.saved
         saves = mock_stats(backend)["saves"]
         await send(hook, backend, S2, words(2, 100))       # S1 is on disk already: not written again
@@ -157,7 +164,7 @@ async def test_router_model_about_to_be_unloaded_is_saved_first(slot_dir: str) -
         answer = await send(hook, router, S1, story + " more", model="a")   # b saved, a reloaded, S1 restored
         assert answer["timings"]["cache_n"] >= 150
         assert all(x["loaded"] for x in mock_stats(router)["slot_actions"] if x["action"] == "save")
-        assert sorted(os.listdir(slot_dir)) == sorted([session_filename("a", S1), session_filename("b", S2)])
+        assert sorted(os.listdir(slot_dir)) == sorted([name(hook, router, "a", S1), name(hook, router, "b", S2)])
     finally:
         await hook.close()
         router.stop()
