@@ -111,6 +111,7 @@ class Backend:
     model_ids: tuple[str, ...] = ()  # what its /v1/models lists (a router: the models it can serve)
     model_fingerprints: dict[str, str] = field(default_factory=dict)  # router: per model
     suspect: bool = False      # something may have changed its slots behind lpcache (checked with GET /slots)
+    ram_cache: bool = False    # seen serving a prompt from its RAM prompt cache (--cache-ram): trusted for it
 
     @property
     def url(self) -> str:

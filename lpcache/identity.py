@@ -23,7 +23,7 @@ from typing import Any
 
 import orjson
 
-BLOCK_CHARS = 256
+BLOCK_CHARS = 64
 # Request fields a chat template reads besides the messages (llama-server's chat parameters).
 TEMPLATE_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "reasoning_format",
                    "add_generation_prompt", "chat_template", "continue_final_message")

@@ -25,6 +25,7 @@ from .llama import SlotAction
 from .prefix import Prompt
 from .record import RequestRecord
 from .router_models import RouterModels
+from .server_cache import ServerCaches
 from .sessions import SessionBook, route_name
 from .slots import Choice, Content, Slot, SlotPool
 from .speeds import SpeedBook
@@ -68,6 +69,7 @@ class Saver:
         self.spawn = spawn
         self.idle_saves: dict[Slot, asyncio.Task[None]] = {}
         self.background = BackgroundSaves()
+        self.server_caches = ServerCaches()
 
     # ---- after a request ----
 
@@ -117,6 +119,8 @@ class Saver:
             if previous is not None and not record.restored and held_blocks and previous.key in self.index:
                 self.index.note_use(previous.key)   # continued in the slot that holds it: a use of its file
             content = self.content_after(backend, prompt, big, record, want, prefilled, held_blocks)
+            if content is not None and prefilled:
+                self.server_caches.held(backend.index, content.chain)
             if (content is not None and content.keep and big and self.settings.save_policy == "eager"
                     and self.enabled(backend, prompt.model)):
                 choice.slot.phase = "save"

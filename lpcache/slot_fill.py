@@ -54,6 +54,7 @@ class SlotFiller:
         self.reuse = reuse
         self.routers = routers
         self.saver = saver
+        self.server_caches = saver.server_caches
 
     # ---- what may be cached where ----
 
@@ -126,7 +127,8 @@ class SlotFiller:
         session = want.key if want is not None else None
         homes = self.session_homes(want)
         asked = Want(prompt, self.lookup(prompt) if want is None else (lambda: None), allowed, session, homes,
-                     self.pays(prompt), self.index.protect, self.index.unprotect)
+                     self.pays(prompt), self.index.protect, self.index.unprotect,
+                     (lambda: self.warm(prompt)) if want is None else None)
         plan = wait_plan(self.pool.slots, prompt, asked.lookup(), allowed, session, homes, self.budget(prompt))
         started = time.perf_counter()
         try:
@@ -148,6 +150,15 @@ class SlotFiller:
             log.info("restore_candidate key=%s shared_blocks=%d of=%d ratio=%.3f exact=%s", c.entry.key[:16],
                      c.shared, len(prompt.exact), c.ratio, str(c.exact).lower())
         return choice
+
+    def warm(self, prompt: Prompt) -> tuple[int, int, bool] | None:
+        """The server whose RAM prompt cache likely holds the longest prefix of the prompt (`server_cache`), how
+        much of it, and whether that server was seen serving from RAM (then it is trusted over a disk restore)."""
+        found = self.server_caches.find(prompt.exact)
+        if found is None:
+            return None
+        backend = self.backends[found[0]]
+        return found[0], found[1], backend.ram_cache
 
     def session_homes(self, want: Content | None) -> frozenset[int]:
         """The backends whose slot-save folder has the session's file (where it was saved, or a folder shared with
@@ -176,6 +187,11 @@ class SlotFiller:
             if not self.enabled(backend, prompt.model):
                 return
             if want is not None:
+                if want.fingerprint is not None and backend.identity(route_name(prompt.model)) != want.fingerprint:
+                    # this backend runs another model than the one the session's file was named for: never
+                    # restore it here, and what the slot will hold is not that file's
+                    choice.slot.content = None
+                    return
                 await self.swap_session(choice, backend, prompt, want, record)
                 return
             slot, restoring = choice.slot, choice.restore is not None
@@ -205,6 +221,8 @@ class SlotFiller:
                 await self.index.discard_if_stale(entry.key)
             return
         previous = slot.content
+        if previous is not None:
+            self.server_caches.gone(backend.index, previous.chain)   # a restore does not copy the slot to RAM
         model = RouterModels.slot_model(backend, prompt.model)
         result = await swap.restore_file(backend.client, slot.id, entry.key, model)
         self.note_restore(backend, prompt.model, result, record)
@@ -294,8 +312,14 @@ class SlotFiller:
                 record.restore_reused = False
                 self.saver.spawn(self.index.drop(choice.restore.entry.key, "foreign_not_reused"))
             return
+        speeds = self.speeds.of(backend.index, RouterModels.served(backend, prompt.model))
+        if not record.restored and not backend.ram_cache and record.cache_n >= REUSE_MIN_TOKENS + speeds.tokens_of(
+                choice.resident + 2):
+            backend.ram_cache = True
+            log.info("backend_ram_cache url=%s cache_n=%d: llama-server's RAM prompt cache served a prompt no slot "
+                     "held; what it likely holds is left to it rather than restored from disk", backend.url,
+                     record.cache_n)
         if record.cache_hit and choice.resident:
-            speeds = self.speeds.of(backend.index, RouterModels.served(backend, prompt.model))
             expected = speeds.tokens_of(choice.resident)
             if expected >= REUSE_MIN_TOKENS and record.cache_n < REUSE_SHORT * expected:
                 backend.suspect = True

@@ -79,7 +79,8 @@ Pays = Callable[[Slot, Candidate, int], bool]
 
 
 def choose(idle: Sequence[Slot], prompt: Prompt | None, candidate: Candidate | None,
-           session: str | None = None, homes: frozenset[int] = frozenset(), pays: Pays | None = None) -> Choice:
+           session: str | None = None, homes: frozenset[int] = frozenset(), pays: Pays | None = None,
+           warm: tuple[int, int, bool] | None = None) -> Choice:
     """Pick among idle slots.
 
     0. In session mode (`session`: the session's file name): the slot that holds the session, else the least
@@ -87,7 +88,9 @@ def choose(idle: Sequence[Slot], prompt: Prompt | None, candidate: Candidate | N
        anywhere; the caller swaps the session in.
     1. When a saved cache holds more of the prompt than any idle slot: restore it into the coldest slot whose server
        can read it, if `pays(slot, candidate, blocks gained over the best resident slot)` (default: yes).
-    2. Else the slot that already holds the longest exact prefix of the prompt: no restore at all.
+    2. Else the slot that already holds the longest exact prefix of the prompt: no restore at all; unless the server
+       whose RAM prompt cache likely holds more of it (`warm`: backend, blocks; see `server_cache`) has an idle slot
+       that holds something else, which is taken instead (a pinned request there makes the server look in RAM).
     3. Else a never-used slot, else the least recently used one.
     """
     if session is not None:
@@ -97,6 +100,9 @@ def choose(idle: Sequence[Slot], prompt: Prompt | None, candidate: Candidate | N
         at_home = [s for s in idle if s.backend in homes]
         return Choice(_coldest(at_home or idle), None, 0)
     best_slot, best_shared = resident(idle, prompt)
+    ram = _warm_slot(idle, prompt, warm, best_shared)
+    if ram is not None and warm is not None and warm[2] and candidate is not None and warm[1] >= candidate.shared:
+        return Choice(ram, None, 0)   # the server's RAM has it (it was seen serving from RAM): no disk restore
     if candidate is not None and candidate.shared > best_shared:
         readers = [s for s in idle if s.can_read(candidate)]
         if readers:
@@ -106,9 +112,25 @@ def choose(idle: Sequence[Slot], prompt: Prompt | None, candidate: Candidate | N
             if best_slot is not None:
                 return Choice(best_slot, None, best_shared, skipped=True)
             return Choice(_coldest(idle), None, 0, skipped=True)
+    if ram is not None:
+        return Choice(ram, None, 0)
     if best_slot is not None:
         return Choice(best_slot, None, best_shared)
     return Choice(_coldest(idle), None, 0)
+
+
+def _warm_slot(idle: Sequence[Slot], prompt: Prompt | None, warm: tuple[int, int, bool] | None,
+               resident_blocks: int) -> Slot | None:
+    """When the server whose RAM prompt cache likely holds more of the prompt than any idle slot (`warm`: backend,
+    blocks, whether that server was seen serving from RAM) has an idle slot holding something else: the one sharing
+    least with the prompt (the server looks in RAM when the slot shares under half of it)."""
+    if warm is None or prompt is None or warm[1] < resident_blocks + 2:
+        return None
+    there = [s for s in idle if s.backend == warm[0] and s.used and s.content is not None]
+    if not there:
+        return None
+    return min(there, key=lambda s: (common_prefix(s.content.chain, prompt.exact) if s.content else 0,
+                                     s.last_used, s.id))
 
 
 def resident(slots: Sequence[Slot], prompt: Prompt | None) -> tuple[Slot | None, int]:
@@ -223,9 +245,11 @@ class Want:
     pays: Pays | None = None
     protect: Callable[[str], None] | None = None    # called with the candidate's key when one is chosen
     unprotect: Callable[[str], None] | None = None  # ... and when the slot is given back unused
+    warm: Callable[[], tuple[int, int, bool] | None] | None = None   # the server whose RAM likely holds it
 
     def choose(self, idle: Sequence[Slot]) -> Choice:
-        choice = choose(idle, self.prompt, self.lookup(), self.session, self.homes, self.pays)
+        choice = choose(idle, self.prompt, self.lookup(), self.session, self.homes, self.pays,
+                        self.warm() if self.warm is not None else None)
         if choice.restore is not None and self.protect is not None:
             self.protect(choice.restore.entry.key)   # on the event loop, before anything else can prune it
         return choice

@@ -115,7 +115,10 @@ def test_through_lpcache_sessions_and_bytes(start_backend: Callable[..., MockHan
     assert s["folder_bytes"] == folder_size(slot_dir) > 0
 
 
-def test_lpcache_without_session_header_is_prefix_mode(backend: MockHandle, proxy: Proxy) -> None:
+def test_lpcache_without_session_header_is_prefix_mode(start_backend: Any, start_proxy: Any) -> None:
+    # a prefill that costs something: the second turn then waits for the slot of the first (being saved)
+    backend = start_backend(prefill_ms_per_token=2.0)
+    proxy = start_proxy(backend)
     workload = turns(users=1, kinds=("summary",), rounds=2, first_words=60, part_words=20)
     report = rp.replay(proxy.url, workload, tokenize_url=backend.url)
     proxy.settle()

@@ -525,3 +525,41 @@ async def test_a_candidate_is_protected_from_choice_until_given_back() -> None:
     want.given_back(c)
     assert protected == []
     pool.release(s0)
+
+
+def test_choose_sends_a_prompt_no_slot_or_file_holds_to_the_server_whose_ram_likely_does() -> None:
+    p = prompt(text(10))
+    a_cold = slot(0, 0, used=True, last_used=1.0, content=content_of(prompt(text(4, tag="x"))))
+    b_busy_before = slot(1, 0, url=B, used=True, last_used=5.0, content=content_of(prompt(text(3, tag="y"))))
+    b_empty = slot(1, 1, url=B)
+    assert choose([a_cold, b_busy_before, b_empty], p, None, warm=(1, 8, False)).slot is b_busy_before   # non-empty, on B
+    assert choose([a_cold, b_empty], p, None, warm=(1, 8, False)).slot is b_empty   # no non-empty slot there: coldest
+    holder = slot(0, 1, used=True, last_used=9.0, content=content_of(prompt(text(7))))
+    assert choose([holder, b_busy_before], p, None, warm=(1, 8, False)).slot is holder   # a resident 7 beats RAM's 8
+    assert choose([holder, b_busy_before], p, None, warm=(1, 10, False)).slot is b_busy_before
+
+
+def test_server_caches_remember_the_last_holder_of_the_longest_prefix() -> None:
+    from lpcache.server_cache import ServerCaches
+
+    caches = ServerCaches(limit=10)
+    a, b = prompt(text(6)), prompt(text(9))
+    caches.held(0, a.exact)
+    caches.held(1, b.exact)
+    assert caches.find(prompt(text(12)).exact) == (1, 9)
+    assert caches.find(prompt(text(5, tag="z")).exact) is None
+    caches.held(0, b.exact)
+    assert caches.find(b.exact) == (0, 9) and len(caches) == 9     # a is a prefix of b
+    caches.held(1, prompt(text(5, tag="q")).exact)
+    assert len(caches) == 10 and caches.find(a.exact) == (0, 6)   # bounded: the oldest digests go first
+
+
+def test_a_server_seen_serving_from_ram_is_trusted_over_a_disk_restore() -> None:
+    p = prompt(text(10))
+    cand = candidate(8)
+    a_reader = slot(0, 0, used=True, last_used=1.0, content=content_of(prompt(text(4, tag="x"))))
+    b_other = slot(1, 0, url=B, used=True, last_used=5.0, content=content_of(prompt(text(3, tag="y"))))
+    assert choose([a_reader, b_other], p, cand, warm=(1, 9, False)).restore is cand     # RAM not seen: restore
+    c = choose([a_reader, b_other], p, cand, warm=(1, 9, True))
+    assert c.slot is b_other and c.restore is None                                      # RAM seen: left to it
+    assert choose([a_reader, b_other], p, cand, warm=(1, 7, True)).restore is cand      # the file holds more
