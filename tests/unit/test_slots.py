@@ -532,7 +532,8 @@ def test_choose_sends_a_prompt_no_slot_or_file_holds_to_the_server_whose_ram_lik
     a_cold = slot(0, 0, used=True, last_used=1.0, content=content_of(prompt(text(4, tag="x"))))
     b_busy_before = slot(1, 0, url=B, used=True, last_used=5.0, content=content_of(prompt(text(3, tag="y"))))
     b_empty = slot(1, 1, url=B)
-    assert choose([a_cold, b_busy_before, b_empty], p, None, warm=(1, 8, False)).slot is b_busy_before   # non-empty, on B
+    # non-empty, on B:
+    assert choose([a_cold, b_busy_before, b_empty], p, None, warm=(1, 8, False)).slot is b_busy_before
     assert choose([a_cold, b_empty], p, None, warm=(1, 8, False)).slot is b_empty   # no non-empty slot there: coldest
     holder = slot(0, 1, used=True, last_used=9.0, content=content_of(prompt(text(7))))
     assert choose([holder, b_busy_before], p, None, warm=(1, 8, False)).slot is holder   # a resident 7 beats RAM's 8
