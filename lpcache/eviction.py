@@ -212,21 +212,18 @@ class UsageTable:
             old = self.remove(old_key)
             if old is not None:
                 usage.inherit(old)
-        self._entries[key] = usage
-        self.total_bytes += usage.size
-        if usage.interval is None:
-            heapq.heappush(self._once, (-key_hash(key), key))
-        self._changed(usage)
-        return usage
+        return self._enter(usage)
 
     def load(self, key: str, size: int, last_use: float, interval: float | None, uses: int) -> Usage:
         """An entry read back at start, with the history its meta file kept."""
         self.remove(key)
-        usage = Usage(key, max(0, size), last_use, interval, max(1, uses))
-        self._entries[key] = usage
+        return self._enter(Usage(key, max(0, size), last_use, interval, max(1, uses)))
+
+    def _enter(self, usage: Usage) -> Usage:
+        self._entries[usage.key] = usage
         self.total_bytes += usage.size
         if usage.interval is None:
-            heapq.heappush(self._once, (-key_hash(key), key))
+            heapq.heappush(self._once, (-key_hash(usage.key), usage.key))
         self._changed(usage)
         return usage
 
