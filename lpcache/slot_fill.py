@@ -128,7 +128,7 @@ class SlotFiller:
         homes = self.session_homes(want)
         asked = Want(prompt, self.lookup(prompt) if want is None else (lambda: None), allowed, session, homes,
                      self.pays(prompt), self.index.protect, self.index.unprotect,
-                     (lambda: self.warm(prompt)) if want is None else None)
+                     (lambda: self.warm(prompt)) if want is None else None, self.index.__contains__)
         plan = wait_plan(self.pool.slots, prompt, asked.lookup(), allowed, session, homes, self.budget(prompt))
         started = time.perf_counter()
         try:

@@ -80,14 +80,16 @@ Pays = Callable[[Slot, Candidate, int], bool]
 
 def choose(idle: Sequence[Slot], prompt: Prompt | None, candidate: Candidate | None,
            session: str | None = None, homes: frozenset[int] = frozenset(), pays: Pays | None = None,
-           warm: tuple[int, int, bool] | None = None) -> Choice:
+           warm: tuple[int, int, bool] | None = None, kept: Callable[[str], bool] | None = None) -> Choice:
     """Pick among idle slots.
 
     0. In session mode (`session`: the session's file name): the slot that holds the session, else the least
        recently used one (never-used first) on a backend whose folder has the session's file (`homes`), else
        anywhere; the caller swaps the session in.
     1. When a saved cache holds more of the prompt than any idle slot: restore it into the coldest slot whose server
-       can read it, if `pays(slot, candidate, blocks gained over the best resident slot)` (default: yes).
+       can read it, if `pays(slot, candidate, blocks gained over the best resident slot)` (default: yes); a slot
+       whose cache is on disk (`kept(file)`) or unknown first: a restore replaces a slot's cache without the server
+       copying it to its RAM, so a cache held nowhere else would be lost.
     2. Else the slot that already holds the longest exact prefix of the prompt: no restore at all; unless the server
        whose RAM prompt cache likely holds more of it (`warm`: backend, blocks; see `server_cache`) has an idle slot
        that holds something else, which is taken instead (a pinned request there makes the server look in RAM).
@@ -106,7 +108,9 @@ def choose(idle: Sequence[Slot], prompt: Prompt | None, candidate: Candidate | N
     if candidate is not None and candidate.shared > best_shared:
         readers = [s for s in idle if s.can_read(candidate)]
         if readers:
-            target = _coldest(readers)
+            spare = [s for s in readers if s.content is None or kept is None or kept(s.content.key)
+                     or (s.content.session is not None and s.content.saved)]
+            target = _coldest(spare or readers)
             if pays is None or pays(target, candidate, candidate.shared - best_shared):
                 return Choice(target, candidate, 0)
             if best_slot is not None:
@@ -246,10 +250,11 @@ class Want:
     protect: Callable[[str], None] | None = None    # called with the candidate's key when one is chosen
     unprotect: Callable[[str], None] | None = None  # ... and when the slot is given back unused
     warm: Callable[[], tuple[int, int, bool] | None] | None = None   # the server whose RAM likely holds it
+    kept: Callable[[str], bool] | None = None        # whether a cache's file is on disk
 
     def choose(self, idle: Sequence[Slot]) -> Choice:
         choice = choose(idle, self.prompt, self.lookup(), self.session, self.homes, self.pays,
-                        self.warm() if self.warm is not None else None)
+                        self.warm() if self.warm is not None else None, self.kept)
         if choice.restore is not None and self.protect is not None:
             self.protect(choice.restore.entry.key)   # on the event loop, before anything else can prune it
         return choice

@@ -564,3 +564,13 @@ def test_a_server_seen_serving_from_ram_is_trusted_over_a_disk_restore() -> None
     c = choose([a_reader, b_other], p, cand, warm=(1, 9, True))
     assert c.slot is b_other and c.restore is None                                      # RAM seen: left to it
     assert choose([a_reader, b_other], p, cand, warm=(1, 7, True)).restore is cand      # the file holds more
+
+
+def test_a_restore_goes_into_a_slot_whose_cache_is_on_disk_first() -> None:
+    p = prompt(text(10))
+    cand = candidate(8)
+    lost_if_replaced = slot(0, 0, used=True, last_used=1.0, content=Content("gone", prompt(text(3, tag="x")).exact))
+    on_disk = slot(0, 1, used=True, last_used=5.0, content=Content("kept", prompt(text(3, tag="y")).exact))
+    c = choose([lost_if_replaced, on_disk], p, cand, kept=lambda key: key == "kept")
+    assert c.slot is on_disk and c.restore is cand
+    assert choose([lost_if_replaced], p, cand, kept=lambda key: key == "kept").slot is lost_if_replaced
