@@ -9,6 +9,7 @@ saved cache, so it is tested without a server.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -91,8 +92,9 @@ def choose(idle: Sequence[Slot], prompt: Prompt | None, candidate: Candidate | N
        whose cache is on disk (`kept(file)`) or unknown first: a restore replaces a slot's cache without the server
        copying it to its RAM, so a cache held nowhere else would be lost.
     2. Else the slot that already holds the longest exact prefix of the prompt: no restore at all; unless the server
-       whose RAM prompt cache likely holds more of it (`warm`: backend, blocks; see `server_cache`) has an idle slot
-       that holds something else, which is taken instead (a pinned request there makes the server look in RAM).
+       whose RAM prompt cache likely holds more of it (`warm`: backend, blocks, seen serving from RAM; see
+       `server_cache`) has an idle slot that holds something else, which is taken instead (a pinned request there
+       makes the server look in RAM).
     3. Else a never-used slot, else the least recently used one.
     """
     if session is not None:
@@ -103,7 +105,7 @@ def choose(idle: Sequence[Slot], prompt: Prompt | None, candidate: Candidate | N
         return Choice(_coldest(at_home or idle), None, 0)
     best_slot, best_shared = resident(idle, prompt)
     ram = _warm_slot(idle, prompt, warm, best_shared)
-    if ram is not None and warm is not None and warm[2] and candidate is not None and warm[1] >= candidate.shared:
+    if ram is not None and warm is not None and candidate is not None and warm[1] >= candidate.shared:
         return Choice(ram, None, 0)   # the server's RAM has it (it was seen serving from RAM): no disk restore
     if candidate is not None and candidate.shared > best_shared:
         readers = [s for s in idle if s.can_read(candidate)]
@@ -128,8 +130,8 @@ def _warm_slot(idle: Sequence[Slot], prompt: Prompt | None, warm: tuple[int, int
     """When the server whose RAM prompt cache likely holds more of the prompt than any idle slot (`warm`: backend,
     blocks, whether that server was seen serving from RAM) has an idle slot holding something else: the one sharing
     least with the prompt (the server looks in RAM when the slot shares under half of it)."""
-    if warm is None or prompt is None or warm[1] < resident_blocks + 2:
-        return None
+    if warm is None or prompt is None or not warm[2] or warm[1] < resident_blocks + 2:
+        return None   # only a server seen serving from RAM: without a RAM cache, a slot's cache would just be lost
     there = [s for s in idle if s.backend == warm[0] and s.used and s.content is not None]
     if not there:
         return None
@@ -137,15 +139,21 @@ def _warm_slot(idle: Sequence[Slot], prompt: Prompt | None, warm: tuple[int, int
                                      s.last_used, s.id))
 
 
+RESIDENT_MIN_SHARE = 0.1   # a slot sharing less of the prompt is not worth taking for it (llama-server's -sps)
+
+
 def resident(slots: Sequence[Slot], prompt: Prompt | None) -> tuple[Slot | None, int]:
-    """The slot holding the longest exact prefix of the prompt (the freshest on a tie), and that many blocks."""
+    """The slot holding the longest exact prefix of the prompt (the freshest on a tie), and that many blocks; a
+    slot sharing under RESIDENT_MIN_SHARE of the prompt (a common system prompt of another conversation) does not
+    count: taking it would push that conversation out for a few tokens."""
     best_slot: Slot | None = None
     best = (0, 0.0)
     if prompt is not None and prompt.exact:
+        least = max(1, math.ceil(RESIDENT_MIN_SHARE * len(prompt.exact)))
         for slot in slots:
             if slot.content is not None:
                 rank = (common_prefix(slot.content.chain, prompt.exact), slot.last_used)
-                if rank[0] and rank > best:
+                if rank[0] >= least and rank > best:
                     best_slot, best = slot, rank
     return best_slot, best[0]
 
@@ -201,7 +209,8 @@ def wait_plan(slots: Sequence[Slot], prompt: Prompt | None, candidate: Candidate
         elif not slot.busy:
             idle_shared = max(idle_shared, shared)
     disk = candidate.shared if candidate is not None else 0
-    if best is not None and busy_shared > max(idle_shared, disk):
+    least = max(1, math.ceil(RESIDENT_MIN_SHARE * len(prompt.exact)))
+    if best is not None and busy_shared >= least and busy_shared > max(idle_shared, disk):
         seconds = budget(best, busy_shared - max(idle_shared, disk))
         if seconds > 0:
             return WaitPlan(_only(best), seconds)

@@ -533,11 +533,13 @@ def test_choose_sends_a_prompt_no_slot_or_file_holds_to_the_server_whose_ram_lik
     b_busy_before = slot(1, 0, url=B, used=True, last_used=5.0, content=content_of(prompt(text(3, tag="y"))))
     b_empty = slot(1, 1, url=B)
     # non-empty, on B:
-    assert choose([a_cold, b_busy_before, b_empty], p, None, warm=(1, 8, False)).slot is b_busy_before
-    assert choose([a_cold, b_empty], p, None, warm=(1, 8, False)).slot is b_empty   # no non-empty slot there: coldest
+    assert choose([a_cold, b_busy_before, b_empty], p, None, warm=(1, 8, True)).slot is b_busy_before
+    assert choose([a_cold, b_empty], p, None, warm=(1, 8, True)).slot is b_empty   # no non-empty slot there: coldest
+    # a server not seen serving from RAM may have none: a free slot, not another conversation's
+    assert choose([a_cold, b_busy_before, b_empty], p, None, warm=(1, 8, False)).slot is b_empty
     holder = slot(0, 1, used=True, last_used=9.0, content=content_of(prompt(text(7))))
-    assert choose([holder, b_busy_before], p, None, warm=(1, 8, False)).slot is holder   # a resident 7 beats RAM's 8
-    assert choose([holder, b_busy_before], p, None, warm=(1, 10, False)).slot is b_busy_before
+    assert choose([holder, b_busy_before], p, None, warm=(1, 8, True)).slot is holder   # a resident 7 beats RAM's 8
+    assert choose([holder, b_busy_before], p, None, warm=(1, 10, True)).slot is b_busy_before
 
 
 def test_server_caches_remember_the_last_holder_of_the_longest_prefix() -> None:
@@ -574,3 +576,15 @@ def test_a_restore_goes_into_a_slot_whose_cache_is_on_disk_first() -> None:
     c = choose([lost_if_replaced, on_disk], p, cand, kept=lambda key: key == "kept")
     assert c.slot is on_disk and c.restore is cand
     assert choose([lost_if_replaced], p, cand, kept=lambda key: key == "kept").slot is lost_if_replaced
+
+
+def test_a_slot_sharing_only_a_common_system_prompt_is_not_taken_for_it() -> None:
+    """Two conversations with one system prompt: the second goes to a free slot, not over the first for a few
+    blocks (under a tenth of its prompt)."""
+    system = text(2, tag="sys")
+    first = slot(0, 0, used=True, last_used=5.0, content=content_of(prompt(system + " " + text(30, tag="a"))))
+    free = slot(0, 1)
+    c = choose([first, free], prompt(system + " " + text(30, tag="b")), None)
+    assert c.slot is free and c.resident == 0
+    c = choose([first, free], prompt(system + " " + text(30, tag="a") + " more"), None)
+    assert c.slot is first and c.resident == 32
