@@ -105,7 +105,7 @@ def choose(idle: Sequence[Slot], prompt: Prompt | None, candidate: Candidate | N
         return Choice(_coldest(at_home or idle), None, 0)
     best_slot, best_shared = resident(idle, prompt)
     ram = _warm_slot(idle, prompt, warm, best_shared)
-    if ram is not None and warm is not None and candidate is not None and warm[1] >= candidate.shared:
+    if ram is not None and warm is not None and warm[2] and candidate is not None and warm[1] >= candidate.shared:
         return Choice(ram, None, 0)   # the server's RAM has it (it was seen serving from RAM): no disk restore
     if candidate is not None and candidate.shared > best_shared:
         readers = [s for s in idle if s.can_read(candidate)]
@@ -130,8 +130,10 @@ def _warm_slot(idle: Sequence[Slot], prompt: Prompt | None, warm: tuple[int, int
     """When the server whose RAM prompt cache likely holds more of the prompt than any idle slot (`warm`: backend,
     blocks, whether that server was seen serving from RAM) has an idle slot holding something else: the one sharing
     least with the prompt (the server looks in RAM when the slot shares under half of it)."""
-    if warm is None or prompt is None or not warm[2] or warm[1] < resident_blocks + 2:
-        return None   # only a server seen serving from RAM: without a RAM cache, a slot's cache would just be lost
+    if warm is None or prompt is None or warm[1] < resident_blocks + 2:
+        return None
+    if not warm[2] and warm[1] < max(1, math.ceil(RESIDENT_MIN_SHARE * len(prompt.exact))):
+        return None   # a server not seen serving from RAM may have none: only for a large part of the prompt
     there = [s for s in idle if s.backend == warm[0] and s.used and s.content is not None]
     if not there:
         return None

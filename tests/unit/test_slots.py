@@ -535,8 +535,10 @@ def test_choose_sends_a_prompt_no_slot_or_file_holds_to_the_server_whose_ram_lik
     # non-empty, on B:
     assert choose([a_cold, b_busy_before, b_empty], p, None, warm=(1, 8, True)).slot is b_busy_before
     assert choose([a_cold, b_empty], p, None, warm=(1, 8, True)).slot is b_empty   # no non-empty slot there: coldest
-    # a server not seen serving from RAM may have none: a free slot, not another conversation's
-    assert choose([a_cold, b_busy_before, b_empty], p, None, warm=(1, 8, False)).slot is b_empty
+    # a server not seen serving from RAM may have none: steered to only for a large part of the prompt
+    assert choose([a_cold, b_busy_before, b_empty], p, None, warm=(1, 8, False)).slot is b_busy_before
+    long_p = prompt(text(100))
+    assert choose([a_cold, b_busy_before, b_empty], long_p, None, warm=(1, 8, False)).slot is b_empty
     holder = slot(0, 1, used=True, last_used=9.0, content=content_of(prompt(text(7))))
     assert choose([holder, b_busy_before], p, None, warm=(1, 8, True)).slot is holder   # a resident 7 beats RAM's 8
     assert choose([holder, b_busy_before], p, None, warm=(1, 10, True)).slot is b_busy_before
