@@ -5,9 +5,12 @@ from __future__ import annotations
 import math
 import os
 import platform
+import re
 import statistics
+import subprocess
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -71,3 +74,29 @@ def machine_line() -> str:
     load = m["loadavg_1_5_15"]
     return (f"Python {m['python']} ({m['implementation']}), {m['cpus']} CPUs, {m['platform']}, "
             f"load average {load} at start")
+
+
+def llama_machine_text(binary: str, gguf: str) -> str:
+    """The machine line of a benchmark page: cores and CPU model, Python, the llama-server build and the model."""
+    model = ""
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    version = subprocess.run([binary, "--version"], capture_output=True, text=True,
+                             env={**os.environ, "LD_LIBRARY_PATH": os.path.dirname(binary)}).stderr.strip()
+    build = re.search(r"version: (\S+.*)", version)
+    return (f"Machine: {os.cpu_count()} cores ({model or platform.machine()}), Python {platform.python_version()}; "
+            f"llama.cpp build 11434 ({build.group(1) if build else 'version unknown'}); model "
+            f"{os.path.basename(gguf)}")
+
+
+def replace_section(doc: Path, start: str, end: str, section: str) -> None:
+    """Put `section` between its markers in a page (at its end when the markers are not there yet)."""
+    text = doc.read_text()
+    if start in text and end in text:
+        text = text[:text.index(start)] + section + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    doc.write_text(text)

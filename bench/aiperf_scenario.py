@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import shlex
 import shutil
@@ -46,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import table  # noqa: E402
+from _common import llama_machine_text, replace_section, table  # noqa: E402
 from replay import metric  # noqa: E402
 
 from lpcache.testing import REPO, LlamaServer, LpcacheProcess, llama_paths, script_paths  # noqa: E402
@@ -302,30 +301,6 @@ def markdown(results: Sequence[dict[str, Any]], args: argparse.Namespace, check:
         END])
 
 
-def update_doc(section: str) -> None:
-    text = DOC.read_text()
-    if START in text and END in text:
-        text = text[:text.index(START)] + section + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    DOC.write_text(text)
-
-
-def machine_text(binary: str, gguf: str) -> str:
-    model = ""
-    try:
-        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    version = subprocess.run([binary, "--version"], capture_output=True, text=True,
-                             env={**os.environ, "LD_LIBRARY_PATH": os.path.dirname(binary)}).stderr
-    build = re.search(r"version: (\S+.*)", version)
-    return (f"Machine: {os.cpu_count()} cores ({model or platform.machine()}), Python {platform.python_version()}; "
-            f"llama.cpp build 11434 ({build.group(1) if build else 'version unknown'}); model "
-            f"{os.path.basename(gguf)}")
-
-
 def _cache_ram(text: str) -> int | None:
     return None if text == "default" else int(text)
 
@@ -381,13 +356,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(table(HEADERS, rows_of(results)))
     say(f"done in {minutes:.1f} minutes")
     if not args.no_docs:
-        section = markdown(results, args, check, machine_text(binary, gguf), minutes)
+        section = markdown(results, args, check, llama_machine_text(binary, gguf), minutes)
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
         RESULTS.write_text(json.dumps({"aiperf": args.aiperf_version, "command": command_text(args, 0),
                                        "settings": {k: v for k, v in vars(args).items() if k != "aiperf_version"},
                                        "tokenizer_check": check, "minutes": round(minutes, 1),
                                        "results": results}, indent=1, ensure_ascii=False))
-        update_doc(section)
+        replace_section(DOC, START, END, section)
         print(f"wrote {DOC.relative_to(REPO)}, {RESULTS.relative_to(REPO)}")
     return 1 if any(r["errors"] for r in results) else 0
 

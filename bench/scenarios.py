@@ -23,10 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import table  # noqa: E402
+from _common import llama_machine_text, replace_section, table  # noqa: E402
 from replay import replay  # noqa: E402
 
 from lpcache.testing import REPO, LlamaServer, LpcacheProcess, llama_paths  # noqa: E402
@@ -198,32 +195,6 @@ def plot(results: Sequence[Result], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def machine() -> str:
-    cpus = os.cpu_count()
-    model = ""
-    try:
-        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    binary, gguf = llama_paths()
-    version = subprocess.run([binary, "--version"], capture_output=True, text=True,
-                             env={**os.environ, "LD_LIBRARY_PATH": os.path.dirname(binary)}).stderr.strip()
-    build = re.search(r"version: (\S+.*)", version)
-    return (f"Machine: {cpus} cores ({model or platform.machine()}), Python {platform.python_version()}; "
-            f"llama.cpp build 11434 ({build.group(1) if build else 'version unknown'}); model "
-            f"{os.path.basename(gguf)}")
-
-
-def update_doc(section: str) -> None:
-    text = DOC.read_text()
-    if START in text and END in text:
-        text = text[:text.index(START)] + section + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    DOC.write_text(text)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", help="comma-separated scenario names (default: all)")
@@ -266,13 +237,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             chosen_run.summary["runs_request_s"] = [r.summary["request_s"] for r in runs[policy]]
             results.append(chosen_run)
     minutes = (time.perf_counter() - started) / 60
-    section = markdown(results, machine(), described, minutes)
+    section = markdown(results, llama_machine_text(*llama_paths()), described, minutes)
     print(section)
     if not args.no_docs:
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
         RESULTS.write_text(json.dumps({"workload": described, "results": [r.__dict__ for r in results]}, indent=1))
         plot(results, PLOT)
-        update_doc(section)
+        replace_section(DOC, START, END, section)
         print(f"wrote {DOC.relative_to(REPO)}, {PLOT.relative_to(REPO)}, {RESULTS.relative_to(REPO)}")
     return 0
 
