@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .identity import Identity, canonical_text, chain_of
+from .identity import canonical_text, chain_of
 
 # \w plus the combining marks, as Rust's Unicode \w has them: "cafe\u0301" stays one word.
 _WORD = re.compile(r"[\w\u0300-\u036f\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe20-\ufe2f]+")
@@ -105,7 +105,7 @@ def tool_text(messages: Sequence[Any], template: Mapping[str, Any] | None = None
 @dataclass(frozen=True)
 class Prompt:
     """What the cache knows of one chat request: its key, word count, word blocks and their chain (the lookup), and
-    its exact identity chain (`identity`: what decides)."""
+    its exact identity chain (`exact`, see `identity`: what decides)."""
 
     model: str
     key: str
@@ -126,7 +126,3 @@ class Prompt:
         blocks = block_hashes(word_list, words_per_block)
         text = canonical_text(messages, template)
         return cls(model, cache_key(model, text), n_words, tuple(blocks), chain(blocks), chain_of(text), len(text))
-
-    @property
-    def identity(self) -> Identity:
-        return Identity(self.exact, self.chars)
