@@ -38,6 +38,7 @@ log = logging.getLogger("lpcache.index")
 T = TypeVar("T")
 
 META_SUFFIX = ".meta.json"
+MOVED_ON_TAIL = (4, 0.1)   # an entry a new save shares all but this many identity blocks (or share) of has moved on
 GHOSTS_MIN = 1024   # usage records of deleted entries kept (at least; 4 x META_MAX when that is more)
 FORMAT_VERSION = 1
 
@@ -196,6 +197,10 @@ class MetaIndex:
         self._words: dict[str, dict[int, str | set[str]]] = {}
         self._ends: dict[str, dict[int, str | set[str]]] = {}
         self._protected: dict[str, int] = {}
+        self._moved_on: OrderedDict[str, None] = OrderedDict()   # entries a later save continues (`_continued`)
+        # The keys whose content an idle slot holds as saved (set by the pipeline): their files go first when the
+        # limits bite, since a slot's cache is saved again before anything replaces it (see `_over_limit`).
+        self.held: Callable[[], Collection[str]] = tuple
         # The usage of entries the limits deleted, by the digest their chain ended at: a conversation that comes
         # back with a new save takes its rhythm over (a deleted file would otherwise make it look brand new, and
         # the first to go again). Bounded: the oldest are forgotten.
@@ -326,13 +331,22 @@ class MetaIndex:
         if old is not None:
             self._unindex(old)
         removed = self._redundant(entry)
-        self._insert(entry, [r.key for r in removed], self._ghost_of(entry, now))   # it takes over their history
+        continued = self._continued(entry, removed)
+        history = [*self._ghost_of(entry, now), *(u for c in continued if (u := self._usage.get(c.key)) is not None)]
+        self._insert(entry, [r.key for r in removed], history)   # it takes over their history
         for r in removed:
             self._remove(r)
+        for c in continued:
+            self._moved_on[c.key] = None
         removed += self._over_limit(keep=entry.key)
         data = orjson.dumps(meta_document(entry, prompt.blocks))
         await self._run(self._write_and_delete, entry.key, data, removed)
         return removed
+
+    async def settled(self) -> None:
+        """Wait until the file deletions queued so far are done: a save of a name that the limits just deleted
+        must not be written while its old file is being unlinked (the server would write into a deleted file)."""
+        await self._run(_nothing)
 
     async def touch(self, key: str) -> None:
         """A restore is a use: the entry moves to the young end and its file's timestamp is bumped."""
@@ -442,26 +456,80 @@ class MetaIndex:
         return found
 
     def _over_limit(self, keep: str) -> list[MetaEntry]:
-        """Delete by the replacement order (`eviction`) until META_MAX and META_MAX_GIB hold, never `keep` nor a
-        protected entry."""
-        removed: list[MetaEntry] = []
-        over = (self.meta_max > 0 and len(self._entries) > self.meta_max) or (
-            self.max_bytes > 0 and self._usage.total_bytes > self.max_bytes)
-        if not over:
-            return removed
+        """Delete until META_MAX and META_MAX_GIB hold, never a protected entry, and `keep` (the entry just saved)
+        only when an idle slot holds it, in this order:
+
+        1. files a later save of the same conversation has moved on from (`_continued`): it holds all of theirs but
+           a short end, oldest first;
+        2. files of caches an idle slot still holds (`held`): the slot serves them while it keeps them, and saves
+           them again before a restore or another prompt replaces them (`slot_fill.prepare`), so the limits then
+           hold the caches no slot has (META_MAX files plus one per slot in all);
+        3. the rest, by the replacement order (`eviction`): the one needed furthest in the future first.
+        """
         spare = {keep, *self._protected}
-        for key in self._usage.victims(time.time(), self.meta_max, self.max_bytes, spare):
-            entry = self._entries.get(key)
-            usage = self._usage.get(key)
-            if entry is not None:
-                if usage is not None and not entry.foreign:
-                    self._ghosts[(entry.fingerprint or "", entry.exact[-1])] = usage
-                    while len(self._ghosts) > max(GHOSTS_MIN, 4 * self.meta_max):
-                        self._ghosts.popitem(last=False)
-                self._remove(entry)
-                removed.append(entry)
+        removed = self._evict_among(list(self._moved_on), spare)
+        removed += self._evict_among(self.held(), self._protected)   # the entry just saved too, when a slot has it
+        if self._over():
+            for key in self._usage.victims(time.time(), self.meta_max, self.max_bytes, spare):
+                entry = self._entries.get(key)
+                if entry is not None:
+                    self._evict_entry(entry)
+                    removed.append(entry)
         self.evicted += len(removed)
         return removed
+
+    def _over(self) -> bool:
+        return (self.meta_max > 0 and len(self._entries) > self.meta_max) or (
+            self.max_bytes > 0 and self._usage.total_bytes > self.max_bytes)
+
+    def _evict_among(self, keys: Iterable[str], spare: Collection[str]) -> list[MetaEntry]:
+        removed: list[MetaEntry] = []
+        for key in keys:
+            if not self._over():
+                break
+            entry = self._entries.get(key)
+            if entry is not None and key not in spare:
+                self._evict_entry(entry)
+                removed.append(entry)
+        return removed
+
+    def _evict_entry(self, entry: MetaEntry) -> None:
+        """Out of the index, its usage kept as a ghost (a later save of its conversation takes it over)."""
+        usage = self._usage.get(entry.key)
+        if usage is not None and not entry.foreign:
+            self._ghosts[(entry.fingerprint or "", entry.exact[-1])] = usage
+            while len(self._ghosts) > max(GHOSTS_MIN, 4 * self.meta_max):
+                self._ghosts.popitem(last=False)
+        self._remove(entry)
+
+    def _continued(self, new: MetaEntry, redundant: Collection[MetaEntry]) -> list[MetaEntry]:
+        """The entries (same model) a new save continues without making them redundant: it shares all of their
+        identity chain but a short end (MOVED_ON_TAIL), as the next turn of a conversation does when its request
+        changes only the last lines (a task after a growing document, a regenerated last message); in any folder:
+        the conversation has moved on to the new save's server. They stay while there is room, and go first when
+        there is not; the new entry takes their rhythm over."""
+        table = self._exact.get(new.fingerprint or "") if not new.foreign else None
+        if not table:
+            return []
+        holders: str | set[str] | None = None
+        depth = 0
+        for digest in new.exact:
+            found = table.get(digest)
+            if found is None:
+                break
+            holders, depth = found, depth + 1
+        if holders is None:
+            return []
+        out = []
+        skip = {new.key, *(r.key for r in redundant)}
+        for n, key in enumerate((holders,) if isinstance(holders, str) else holders):
+            if n >= 64:
+                break
+            e = self._entries[key]
+            tail = len(e.exact) - depth
+            if key not in skip and tail <= max(MOVED_ON_TAIL[0], MOVED_ON_TAIL[1] * len(e.exact)):
+                out.append(e)
+        return out
 
     def _ghost_of(self, entry: MetaEntry, now: float) -> list[Usage]:
         """The usage of a deleted entry whose conversation this new save continues (its chain passes through the
@@ -512,6 +580,7 @@ class MetaIndex:
         same name keeps its history)."""
         if self._entries.get(entry.key) is entry:
             del self._entries[entry.key]
+            self._moved_on.pop(entry.key, None)
         found = self._table(entry)
         if found is None:
             return
@@ -552,6 +621,10 @@ class MetaIndex:
             write_atomic(path, orjson.dumps(doc))
         except (OSError, ValueError, TypeError) as e:
             log.warning("meta_touch_failed key=%s reason=%s", key, e)
+
+
+def _nothing() -> None:
+    return None
 
 
 def _add_holder(table: dict[int, str | set[str]], digest: int, key: str) -> None:

@@ -41,6 +41,11 @@ from .speeds import SpeedBook
 log = logging.getLogger("lpcache.slot_fill")
 
 
+def resavable(content: Content) -> bool:
+    """A prefix cache worth keeping whose prompt is known: it can be saved again under its name."""
+    return content.keep and content.session is None and content.prompt is not None
+
+
 class SlotFiller:
     def __init__(self, settings: Settings, backends: Sequence[Backend], pool: SlotPool, index: MetaIndex,
                  sessions: SessionBook, speeds: SpeedBook, reuse: ReuseWatch, routers: RouterModels,
@@ -55,6 +60,14 @@ class SlotFiller:
         self.routers = routers
         self.saver = saver
         self.server_caches = saver.server_caches
+        index.held = self.held_keys
+
+    def held_keys(self) -> list[str]:
+        """The saved prefix caches idle slots hold and can save again before they are replaced (`prepare`): the
+        index deletes their files first when its limits bite."""
+        return [s.content.key for s in self.pool.slots
+                if not s.busy and s.content is not None and s.content.saved and resavable(s.content)
+                and self.enabled(self.backends[s.backend], s.content.model)]
 
     # ---- what may be cached where ----
 
@@ -181,7 +194,8 @@ class SlotFiller:
                       record: RequestRecord) -> None:
         """Make the slot hold the best cache for the request before it is sent: in session mode swap the session
         in; in prefix mode restore the chosen saved cache. Either way, what the slot holds is saved first when it
-        is worth keeping, unsaved (SAVE_POLICY=evict, or a small session request) and about to be replaced."""
+        is worth keeping, unsaved (SAVE_POLICY=evict, or a small session request) or its file deleted by the limits
+        meanwhile, and about to be replaced."""
         try:
             await self.routers.make_room(backend, prompt.model)
             if not self.enabled(backend, prompt.model):
@@ -196,7 +210,7 @@ class SlotFiller:
                 return
             slot, restoring = choice.slot, choice.restore is not None
             held = slot.content
-            if held is not None and held.dirty and (
+            if held is not None and (held.dirty or (resavable(held) and held.key not in self.index)) and (
                     restoring or common_prefix(held.chain, prompt.exact) < len(held.chain)):
                 await self.saver.save_held(backend, slot, held, record)
             if restoring:

@@ -255,3 +255,37 @@ def test_prompt_key_is_exact() -> None:
     a = Prompt.of("m", [{"role": "user", "content": "Hello"}], 10)
     b = Prompt.of("m", [{"role": "system", "content": "Hello"}], 10)
     assert a.key != b.key
+
+
+@pytest.mark.parametrize("edit", [False, True], ids=["chat", "document"])
+def test_files_and_slots_together_hold_a_working_set_that_only_fits_in_both(start_backend: Any, start_proxy: Any,
+                                                                           edit: bool) -> None:
+    """Three conversations take turns on two slots with META_MAX 2: the files alone cannot hold them and a restore
+    needs its file and the replaced slot's (saved again) at once, but the files and the other slot can. The limits
+    delete the files of what an idle slot holds first, and a slot's cache whose file was deleted is saved again
+    before a restore replaces it, so after the first round every turn is a hit. `document`:
+    each turn changes the end of the previous prompt (a task line after a growing text), so no file is a prefix of
+    the next turn's: the previous turn's file must go before any conversation's latest."""
+    backend = start_backend(slots=2, prefill_ms_per_token=PREFILL)
+    proxy = start_proxy(backend, meta_max=2, big_threshold_words=20)
+    convs = [chats.Conversation(90 + i, turns=8, n_words=300) for i in range(3)]
+    texts = [chats.assistant_text(100 + i) * 8 for i in range(3)]
+
+    def body(i: int, round_: int) -> dict[str, Any]:
+        if not edit:
+            return convs[i].body if round_ == 0 else convs[i].advance(chats.assistant_text(round_))
+        texts[i] += "\n\n" + chats.assistant_text(10 * round_ + i)
+        return {"model": "m", "messages": [{"role": "system", "content": f"Editor {i}: keep the voice."},
+                                           {"role": "user", "content": f"{texts[i]}\n\nRedraft part {round_}."}]}
+
+    for i in range(3):
+        send(proxy, body(i, 0))
+    misses = []
+    for round_ in range(1, 5):
+        for i in range(3):
+            r = send(proxy, body(i, round_))
+            if r.headers["x-lpcache-cache-hit"] != "true" or r.json()["timings"]["cache_n"] < 50:
+                misses.append((round_, i, r.json()["timings"]["cache_n"], r.headers["x-lpcache-slot"]))
+        assert len(proxy.pipeline.index) <= 2
+    assert misses == [], "\n".join(map(str, misses))
+    assert proxy.pipeline.index.lost == 0

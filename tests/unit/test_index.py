@@ -650,3 +650,44 @@ def test_meta_without_location_is_tried_anywhere() -> None:
     """The Rust lpcache and proxycache wrote meta files without backend or folder: they had one folder."""
     legacy = MetaEntry("k", "m", 2, (), 0.0)
     assert legacy.readable_by("http://a:1", "/kv") and legacy.readable_by("http://b:1", None)
+
+
+# ---- what goes first when the limits bite ----
+
+async def test_a_file_the_next_turn_moved_on_from_goes_first_and_hands_over_its_rhythm(make_index) -> None:
+    """The next turn changes only the end of the previous prompt (a task after a growing text): the old file is no
+    prefix of the new one, but all it holds beyond it is a short end."""
+    idx = make_index(wpb=2, meta_max=3)
+    old = prompt(text(40) + " redraft it")
+    await idx.add(old, URL, None)
+    idx.note_use(old.key)
+    others = [prompt(text(30, tag=t)) for t in ("a", "b")]
+    for p in others:
+        await idx.add(p, URL, None)
+    new = prompt(text(44) + " redraft it")
+    removed = await idx.add(new, URL, None)
+    assert [e.key for e in removed] == [old.key]
+    assert all(p.key in idx for p in others)
+    assert idx.get(new.key).uses == 2
+
+
+async def test_a_file_that_differs_early_has_not_moved_on(make_index) -> None:
+    idx = make_index(wpb=2)
+    old = prompt(text(40))
+    await idx.add(old, URL, None)
+    await idx.add(prompt(text(20) + " " + text(30, tag="z")), URL, None)   # shares half of it
+    assert idx._moved_on == {}
+
+
+async def test_files_an_idle_slot_holds_go_before_the_others(make_index) -> None:
+    idx = make_index(wpb=2, meta_max=2)
+    a, b, c = (prompt(text(10, tag=t)) for t in ("a", "b", "c"))
+    await idx.add(a, URL, None)
+    await idx.add(b, URL, None)
+    idx.held = lambda: [b.key]
+    removed = await idx.add(c, URL, None)
+    assert [e.key for e in removed] == [b.key] and a.key in idx and c.key in idx
+    d = prompt(text(10, tag="d"))
+    idx.held = lambda: [d.key]            # the entry just saved goes too when its slot holds it
+    removed = await idx.add(d, URL, None)
+    assert [e.key for e in removed] == [d.key] and a.key in idx and c.key in idx
