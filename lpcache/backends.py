@@ -298,8 +298,8 @@ async def start_backends(settings: Settings, session: aiohttp.ClientSession) -> 
 
 
 class Prober:
-    """Asks the backends whose cooldown is over whether they are back (GET /health, and /props while the slot count
-    is unknown), so a backend recovers without waiting for a client to risk a request on it."""
+    """Asks the backends whose cooldown is over, and every interval the down ones, whether they are back (/props,
+    /health), so a backend recovers without waiting for a client to risk a request on it."""
 
     def __init__(self, backends: list[Backend], on_slots: Callable[[Backend, int], None],
                  interval: float = 0.5) -> None:

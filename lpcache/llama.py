@@ -173,7 +173,7 @@ class LlamaClient:
         self.url = url.rstrip("/")
         self.session = session
         self.timeout = aiohttp.ClientTimeout(total=timeout)
-        self.short_timeout = aiohttp.ClientTimeout(total=min(timeout, 10.0))
+        self.short_timeout = aiohttp.ClientTimeout(total=min(timeout, ERROR_BODY_SECONDS))
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     async def chat(self, body: dict[str, Any], slot: int | None, path: str = CHAT_PATH,
