@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-import aiohttp
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -32,6 +31,7 @@ from .errors import BackendUnreachable, BadRequest, ClientGone, ProxyError
 from .forwarded import GENERATION_ROUTES, generate, slot_actions_refused, slot_touched
 from .guard import ApiKeys, read_body
 from .index import MetaIndex
+from .llama import client_session
 from .metrics import Metrics
 from .pipeline import Pipeline
 from .plugins.registry import Loaded
@@ -43,7 +43,6 @@ from .slots import SlotPool
 
 log = logging.getLogger("lpcache")
 
-KEEPALIVE_SECONDS = 4.0   # below llama-server's own idle keep-alive (5 s)
 ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
 
 
@@ -55,7 +54,8 @@ class OrjsonResponse(JSONResponse):
 
 
 def error_response(err: ProxyError) -> Response:
-    return OrjsonResponse(err.body(), status_code=err.status)
+    body, content_type = err.payload()   # a backend's own error answer as it came, else OpenAI's shape
+    return Response(body, status_code=err.status, media_type=content_type)
 
 
 def new_record(request: Request) -> RequestRecord:
@@ -277,9 +277,7 @@ def create_app(settings: Settings, plugins: Loaded | None = None) -> Starlette:
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        # llama-server closes a keep-alive connection after 5 s idle: a pooled one kept longer is found dead by the
-        # next request (a save, a chat), which then fails. Keep them a little less than the server does.
-        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_SECONDS))
+        session = client_session()   # connections kept idle less long than llama-server keeps them
         index = MetaIndex(settings.meta_dir, settings.words_per_block, settings.meta_max, settings.slot_save_paths,
                           meta_max_bytes(settings))
         try:

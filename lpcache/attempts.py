@@ -4,6 +4,11 @@ cannot be reached, or drops the connection before any byte went to the client, t
 The failed backend is left out of the next try (the failed slot, when there is only one backend), its breaker
 opens, and the tries stop at REQUEST_TIMEOUT or when no slot is left to try. The relay asks for a retry through
 `retry` when an answer breaks before its first byte reached the client; once bytes went out, it cannot.
+
+A try holds its slot as a `Lease`: whatever is raised while the slot is filled and the request sent (a cancellation
+included), the slot goes back; once the answer is open, the lease goes with it to `finish`, and from there to the
+save (`Saver.after`), which gives it back. An answer whose body breaks, even an error answer's, is an unreachable
+backend (failover); a backend's own error answer is passed on as it came.
 """
 
 from __future__ import annotations
@@ -15,13 +20,12 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import orjson
 
 from .backends import Backend
 from .coalesce import Coalescer, Group, aggregate_sse
 from .errors import BackendError, BackendUnreachable, ProxyError
-from .llama import error_message
+from .llama import Upstream
 from .plugins.base import Answer, ChatRequest
 from .prefix import Prompt
 from .record import RequestRecord
@@ -31,7 +35,7 @@ from .saving import Saver
 from .sessions import route_name
 from .slot_fill import SlotFiller
 from .slot_truth import SlotTruth
-from .slots import Choice, Content, Slot, SlotPool
+from .slots import Choice, Content, Lease, Slot, SlotPool
 
 log = logging.getLogger("lpcache.attempts")
 
@@ -68,13 +72,14 @@ class Attempts:
         self.deadline = time.monotonic() + crew.request_timeout
         self.choice: Choice | None = None
         self.backend: Backend | None = None
-        self.upstream: aiohttp.ClientResponse | None = None
+        self.lease: Lease | None = None     # the current try's slot, until given back or handed to the save
+        self.upstream: Upstream | None = None
         self.sent = False                   # the current try's request went to the backend
         self.group: Group | None = None     # when coalescing: the followers waiting for this answer
 
     # ---- what the relay uses ----
 
-    async def start(self) -> aiohttp.ClientResponse:
+    async def start(self) -> Upstream:
         """Send the request, failing over while backends cannot be reached. Raises ProxyError."""
         while True:
             try:
@@ -83,12 +88,12 @@ class Attempts:
             except BackendUnreachable as e:
                 self._failed(e)
 
-    async def retry(self, error: BaseException) -> aiohttp.ClientResponse:
+    async def retry(self, error: BaseException) -> Upstream:
         """The answer broke before the client got a byte of it: try again elsewhere. Raises ProxyError."""
         if self.upstream is not None:
             self.upstream.close()
-        self._failed(BackendUnreachable(f"backend dropped the answer: {type(error).__name__}: {error}",
-                                        code="backend_unreachable"))
+        self._failed(error if isinstance(error, BackendUnreachable) else BackendUnreachable(
+            f"backend dropped the answer: {type(error).__name__}: {error}", code="backend_unreachable"))
         return await self.start()
 
     def headers(self) -> Headers:
@@ -134,19 +139,23 @@ class Attempts:
         if delivered and self.view is not None and self.collected is not None:
             self.p.answered(self.view, _answer(bytes(self.collected), self.view.stream))
             self.collected = None
-        if self.choice is None or self.backend is None:
+        lease, backend = self.lease, self.backend
+        if lease is None or lease.returned or backend is None:
             self.p.notify(self.record)
             return
-        choice, backend, self.choice = self.choice, self.backend, None
+        choice, self.lease, self.choice = lease.choice, None, None
         choice.slot.phase = "save"
         # The prompt was read to its end when the answer (or its first token) came: only then does the slot hold it.
         prefilled = delivered or self.record.ttft_ms is not None or self.record.cache_n is not None
-        self.p.filler.judge(choice, backend, self.prompt, self.record)
-        route = route_name(self.prompt.model)
-        if backend.router and route in backend.slots_guessed:   # the request loaded the model: count its slots
-            self.p.spawn(self.p.routers.recount_slots(backend, route))
-        self.p.spawn(self.p.saver.after(choice, backend, self.prompt, self.big, self.record, self.want, prefilled,
-                                        self.held_blocks(choice)))
+        held = self.held_blocks(choice)
+        try:
+            self.p.filler.judge(choice, backend, self.prompt, self.record)
+            route = route_name(self.prompt.model)
+            if backend.router and route in backend.slots_guessed:   # the request loaded the model: count its slots
+                self.p.spawn(self.p.routers.recount_slots(backend, route))
+        finally:   # the save gives the slot back, whatever happened above
+            self.p.spawn(self.p.saver.after(lease, backend, self.prompt, self.big, self.record, self.want,
+                                            prefilled, held))
 
     def held_blocks(self, choice: Choice) -> int:
         """Identity blocks of the prompt the slot held before the request was sent."""
@@ -155,16 +164,14 @@ class Attempts:
         return choice.resident
 
     def cancelled(self) -> None:
-        """The client left before the answer started."""
-        if self.choice is not None and self.backend is not None and self.sent:
-            # The backend was computing: what the slot held before is still there (nothing partial is saved).
+        """The request was cancelled (the client left) before its answer started."""
+        if self.lease is not None and not self.lease.returned and self.sent:
+            # The backend was computing: the save waits until the server lets go of the slot, then gives it back;
+            # what the slot held before is still there (nothing partial is saved).
             self.finish(False)
-        elif self.choice is not None:
-            self.p.pool.release(self.choice.slot, None)
-            self.choice = None
-            self.p.notify(self.record)
-        else:
-            self.p.notify(self.record)
+            return
+        self._release(None)
+        self.p.notify(self.record)
 
     # ---- one try ----
 
@@ -185,50 +192,65 @@ class Attempts:
 
         return ok
 
-    async def _once(self) -> aiohttp.ClientResponse:
+    async def _once(self) -> Upstream:
         self.sent = False
         await self.p.routers.model_slots(self.prompt.model)
         await self.p.truth.check()
-        choice = await self.p.filler.take_slot(self.prompt, self.record, self.allowed(), self.want)
-        backend = self.p.backends[choice.slot.backend]
-        self.choice, self.backend = choice, backend
-        # what the slot holds if this try fails: what `prepare` left in it (it keeps slot.content true)
-        held = True
-        try:
-            await self.p.filler.prepare(choice, backend, self.prompt, self.want, self.record)
-            if self.want is None and not self.record.restored:
-                self.record.cache_hit = choice.resident > 0
-            self.sent = True
-            backend.breaker.claim(time.monotonic())   # when half-open, this request is the probe
-            choice.slot.phase = "generate"
-            upstream = await backend.client.chat(self.body, choice.slot.id, client_auth=self.client_auth)
-        except BackendUnreachable:
-            raise
-        except asyncio.CancelledError:
-            backend.breaker.unclaim()
-            raise
-        except BaseException as e:
-            backend.breaker.unclaim()
-            self.record.reason = _reason(e)
-            self._release(held)
-            raise
-        if upstream.status != 200:
-            async with upstream:
-                raw = await upstream.read()
-            message, kind = error_message(upstream.status, raw)
-            if upstream.status >= 500 and upstream.status != 501:
-                backend.failed(f"HTTP {upstream.status}: {message}")
-            else:
-                backend.succeeded()
-            self.record.reason = f"provider_http_{upstream.status}"
-            self._release(held)
-            raise BackendError(message, status=upstream.status, type=kind or "backend_error", code=upstream.status)
+        while True:
+            choice = await self.p.filler.take_slot(self.prompt, self.record, self.allowed(), self.want)
+            backend = self.p.backends[choice.slot.backend]
+            # Claimed before anything awaits: when the backend is half-open, this try is its one probe, and no
+            # other passes `allowed` meanwhile.
+            probe = backend.breaker.claim(time.monotonic())
+            if probe or self.allowed()(choice.slot):
+                break
+            # another try took the backend's one probe while this one waited for the slot: choose again
+            self.p.filler.release_choice(choice)
+            self.p.pool.release(choice.slot, True, used=False)
+        # Whatever is raised below gives the slot back; what it then holds: unknown, unless said otherwise.
+        lease = Lease(self.p.pool, choice)
+        self.lease, self.choice, self.backend = lease, choice, backend
+        async with lease:
+            try:
+                await self.p.filler.prepare(choice, backend, self.prompt, self.want, self.record)
+                if self.want is None and not self.record.restored:
+                    self.record.cache_hit = choice.resident > 0
+                self.sent = True
+                choice.slot.phase = "generate"
+                upstream = await backend.client.chat(self.body, choice.slot.id, client_auth=self.client_auth)
+            except BackendUnreachable:
+                raise   # `start` fails over (`_failed`)
+            except asyncio.CancelledError:
+                if probe:
+                    backend.breaker.unclaim()
+                if self.sent:
+                    lease.keep()   # the server is computing: `cancelled` gives the slot back once it let go
+                raise
+            except BackendError as e:
+                if self.sent:   # the backend's own error answer: passed on, not retried
+                    if e.status >= 500 and e.status != 501:
+                        backend.failed(f"HTTP {e.status}: {e.message}", down=False)
+                    else:
+                        backend.succeeded()
+                elif probe:
+                    backend.breaker.unclaim()
+                self.record.reason = _reason(e)
+                lease.give_back(True)   # it holds what `prepare` left in it (slot.content is kept true)
+                raise
+            except BaseException as e:
+                if probe:
+                    backend.breaker.unclaim()
+                self.record.reason = _reason(e)
+                lease.give_back(True)
+                raise
         backend.succeeded()
         return upstream
 
     def _failed(self, error: BackendUnreachable) -> None:
         """This try's backend could not be reached: mark it, free the slot, and give up when nothing is left."""
-        assert self.choice is not None and self.backend is not None
+        if self.choice is None or self.backend is None:   # it failed before a slot was taken
+            self.record.reason = "backend_unreachable"
+            raise error
         backend, slot = self.backend, self.choice.slot
         backend.failed(error.message)
         self._release(None)
@@ -243,10 +265,10 @@ class Attempts:
         log.warning("failover from=%s#%d reason=%s try=%d", backend.url, slot.id, error.message,
                     self.record.retries + 1)
 
-    def _release(self, content: Any) -> None:
-        if self.choice is not None:
-            self.p.pool.release(self.choice.slot, content)
-        self.choice = None
+    def _release(self, content: Content | None | bool) -> None:
+        if self.lease is not None:
+            self.lease.give_back(content)
+        self.lease = self.choice = None
 
 
 def _reason(e: BaseException) -> str:

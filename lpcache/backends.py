@@ -16,8 +16,10 @@ fingerprint is never restored into a server with another: a GGUF swapped behind 
 
 Each backend has a circuit breaker. A failure (connection refused or reset, timeout, 5xx) opens it for a cooldown
 that doubles with each failure in a row (BREAKER_COOLDOWN_MS up to BREAKER_MAX_COOLDOWN_MS). After the cooldown the
-backend is half-open: one request (or the prober's GET /health) is let through as a probe; success closes the
-breaker and resets the backoff, failure opens it again for longer.
+backend is half-open: exactly one request (or the prober's GET /health) is let through as a probe, claimed on the
+tick its slot is chosen; success closes the breaker and resets the backoff, failure opens it again for longer.
+A backend that did not answer at all (down, not erring) is also asked by the prober every PROBE interval during its
+cooldown, and serves again as soon as it answers; the prober itself survives anything a probe raises.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class Breaker:
     cooldown: float = 0.0      # of the current opening
     open_until: float = 0.0
     probing: bool = False      # half-open, and the one probe is out
+    down: bool = False         # the last failure was no answer at all (not an error answer)
 
     def available(self, now: float) -> bool:
         """Whether a request may go to this backend now (without claiming the probe)."""
@@ -68,24 +71,30 @@ class Breaker:
             return now >= self.open_until
         return not self.probing
 
-    def claim(self, now: float) -> None:
-        """A request is sent: when the cooldown is over, it is the half-open probe."""
+    def claim(self, now: float) -> bool:
+        """A try goes to this backend: when the cooldown is over and no probe is out, it is the half-open probe
+        (True). False when the breaker lets nothing through (the caller tries anyway only when nothing else can
+        serve)."""
+        if self.state == CLOSED:
+            return True
         if self.state == OPEN and now >= self.open_until:
             self.state = HALF_OPEN
-        if self.state == HALF_OPEN:
+        if self.state == HALF_OPEN and not self.probing:
             self.probing = True
+            return True
+        return False
 
     def unclaim(self) -> None:
         """The probe never reached the backend (the client left, the body could not be sent): let another try."""
         self.probing = False
 
     def success(self) -> None:
-        self.state, self.failures, self.cooldown, self.probing = CLOSED, 0, 0.0, False
+        self.state, self.failures, self.cooldown, self.probing, self.down = CLOSED, 0, 0.0, False, False
 
-    def failure(self, now: float) -> None:
+    def failure(self, now: float, down: bool = True) -> None:
         self.failures += 1
         self.cooldown = min(self.max_cooldown, self.base_cooldown * 2 ** (self.failures - 1))
-        self.state, self.open_until, self.probing = OPEN, now + self.cooldown, False
+        self.state, self.open_until, self.probing, self.down = OPEN, now + self.cooldown, False, down
 
     def describe(self, now: float) -> dict[str, object]:
         doc: dict[str, object] = {"state": self.state, "failures": self.failures}
@@ -112,6 +121,8 @@ class Backend:
     model_fingerprints: dict[str, str] = field(default_factory=dict)  # router: per model
     suspect: bool = False      # something may have changed its slots behind lpcache (checked with GET /slots)
     ram_cache: bool = False    # seen serving a prompt from its RAM prompt cache (--cache-ram): trusted for it
+    saves_off: bool = False    # it answered a slot call 501 (no --slot-save-path): no saves, no restores until it
+                               # is seen down and back (restarted, perhaps with the flag)
 
     @property
     def url(self) -> str:
@@ -209,16 +220,19 @@ class Backend:
     def available(self, now: float | None = None) -> bool:
         return self.breaker.available(time.monotonic() if now is None else now)
 
-    def failed(self, reason: str) -> None:
+    def failed(self, reason: str, down: bool = True) -> None:
+        """A failure: `down` when the backend did not answer (refused, reset, timed out, broke its answer), not
+        when it answered an error of its own (5xx): only a down backend is probed during its cooldown."""
         self.last_seen = 0.0   # it may come back restarted: what its slots hold is checked before it is trusted
         was = self.breaker.state
-        self.breaker.failure(time.monotonic())
+        self.breaker.failure(time.monotonic(), down)
         log.warning("backend_down url=%s reason=%s cooldown_s=%.1f failures=%d%s", self.url, reason,
                     self.breaker.cooldown, self.breaker.failures, "" if was != CLOSED else " (breaker opened)")
 
     def succeeded(self) -> None:
         if self.breaker.state != CLOSED:
             log.info("backend_up url=%s", self.url)
+            self.saves_off = False
         self.breaker.success()
         self.last_seen = time.monotonic()
 
@@ -284,8 +298,8 @@ async def start_backends(settings: Settings, session: aiohttp.ClientSession) -> 
 
 
 class Prober:
-    """Asks the backends whose cooldown is over whether they are back (GET /health, and /props while the slot count
-    is unknown), so a backend recovers without waiting for a client to risk a request on it."""
+    """Asks the backends whose cooldown is over, and every interval the down ones, whether they are back (/props,
+    /health), so a backend recovers without waiting for a client to risk a request on it."""
 
     def __init__(self, backends: list[Backend], on_slots: Callable[[Backend, int], None],
                  interval: float = 0.5) -> None:
@@ -306,19 +320,47 @@ class Prober:
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.interval)  # a polling period, not synchronisation
-            now = time.monotonic()
-            due = [b for b in self.backends if b.breaker.state != CLOSED and b.available(now)]
-            await asyncio.gather(*(self.probe(b) for b in due))
+            try:
+                await self.round()
+            except asyncio.CancelledError:
+                raise
+            except Exception:   # never let the prober die: backends would recover only when a client risks it
+                log.exception("prober_failed: the prober goes on")
 
-    async def probe(self, backend: Backend) -> bool:
-        backend.breaker.claim(time.monotonic())
+    async def round(self) -> None:
+        """Probe, at once, the backends whose cooldown is over (each probe claims the half-open state, on this
+        tick) and the down ones (asked every interval, without escalating their cooldown)."""
+        now = time.monotonic()
+        due: list[tuple[Backend, bool]] = []
+        for b in self.backends:
+            if b.breaker.state == CLOSED:
+                continue
+            if b.available(now):
+                if b.breaker.claim(now):
+                    due.append((b, True))
+            elif b.breaker.down and not b.breaker.probing:
+                due.append((b, False))
+        await asyncio.gather(*(self.probe(b, half_open) for b, half_open in due))
+
+    async def probe(self, backend: Backend, half_open: bool = True) -> bool:
+        """Ask the backend whether it is back. `half_open`: this is the cooldown's probe, whose failure opens the
+        breaker for longer; else a failure changes nothing (a down backend asked during its cooldown)."""
+        if half_open:
+            backend.breaker.claim(time.monotonic())
         try:
             known, old = backend.slots_known, backend.n_slots
             await backend.discover()
             if not known:
                 self.on_slots(backend, 0 if backend.router else old)
-        except ProxyError as e:
-            backend.failed(f"probe: {e.message}")
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            if not isinstance(e, ProxyError):
+                log.exception("probe_crashed url=%s", backend.url)
+            if half_open:
+                backend.failed(f"probe: {e.message if isinstance(e, ProxyError) else type(e).__name__}")
+            elif backend.breaker.state != CLOSED:
+                log.debug("probe_failed url=%s during its cooldown", backend.url)
             return False
         backend.succeeded()
         return True

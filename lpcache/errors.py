@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
+
 
 class LpcacheError(Exception):
     """Base of every error lpcache raises on purpose."""
@@ -46,6 +48,10 @@ class ProxyError(LpcacheError):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "code": self.code}}
 
+    def payload(self) -> tuple[bytes, str]:
+        """The response body and its content type."""
+        return orjson.dumps(self.body()), "application/json"
+
 
 class BadRequest(ProxyError):
     """The client's request is malformed (400, or 422 for a body that is not JSON)."""
@@ -69,6 +75,29 @@ class BackendUnreachable(ProxyError):
 
 
 class BackendError(ProxyError):
-    """The backend answered with an error status of its own; its message is passed on."""
+    """The backend answered with an error status of its own. When its answer was read (`raw`), it goes to the
+    client as it is, status, body and content type: llama-server's fields beyond OpenAI's (`n_ctx`,
+    `n_prompt_tokens`, which agents trim their context by) must survive."""
 
     type = "backend_error"
+
+    def __init__(self, message: str, *, status: int | None = None, type: str | None = None,
+                 code: str | int | None = None, raw: bytes | None = None, content_type: str | None = None) -> None:
+        super().__init__(message, status=status, type=type, code=code)
+        self.raw = raw
+        self.content_type = content_type or "application/json"
+
+    def body(self) -> dict[str, Any]:
+        if self.raw is not None:
+            try:
+                doc = orjson.loads(self.raw)
+            except orjson.JSONDecodeError:
+                doc = None
+            if isinstance(doc, dict):
+                return doc
+        return super().body()
+
+    def payload(self) -> tuple[bytes, str]:
+        if self.raw is not None:
+            return self.raw, self.content_type
+        return super().payload()

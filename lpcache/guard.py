@@ -8,7 +8,6 @@ from __future__ import annotations
 import hmac
 from collections.abc import Sequence
 
-import orjson
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -24,10 +23,11 @@ def bearer_token(authorization: str) -> str | None:
 
 
 async def send_error(send: Send, err: ProxyError, extra: Sequence[tuple[bytes, bytes]] = ()) -> int:
-    """Send `err` in OpenAI's shape on a raw ASGI channel; returns the body's size."""
-    body = orjson.dumps(err.body())
+    """Send `err` on a raw ASGI channel (OpenAI's shape; a backend's error as it came); returns the body's size."""
+    body, content_type = err.payload()
     await send({"type": "http.response.start", "status": err.status, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *extra]})
+        (b"content-type", content_type.encode("latin-1", "replace")),
+        (b"content-length", str(len(body)).encode()), *extra]})
     await send({"type": "http.response.body", "body": body, "more_body": False})
     return len(body)
 

@@ -2,16 +2,23 @@
 
 Built on aiohttp: against a zero-latency stand-in it added less time per request than httpx (see
 docs/benchmarks.md, `bench/http_clients.py`). aiohttp errors are translated into `BackendUnreachable` here, at the
-seam, with the original chained.
+seam, with the original chained: sending, and every read of an answer (an error body, `/slots`, `/props`, a stream),
+so the rest of lpcache sees only its own errors. A chat answer comes back as an `Upstream`, whose reads do the same.
+
+llama-server closes a keep-alive connection after 5 s idle; the pool keeps them 4 s (`client_session`). A request
+sent on a pooled connection that turns out closed anyway is sent again at once on another connection (aiohttp does
+so itself only for GET and the other idempotent methods, not for a chat or a save).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, NoReturn
 from urllib.parse import urlencode
 
 import aiohttp
@@ -22,6 +29,13 @@ from .errors import BackendError, BackendUnreachable, BadRequest
 log = logging.getLogger("lpcache.llama")
 
 CHAT_PATH = "/v1/chat/completions"
+
+KEEPALIVE_SECONDS = 4.0    # below llama-server's own idle keep-alive (5 s)
+STALE_RETRIES = 1          # resends at once when a pooled connection turns out closed (then: unreachable)
+ERROR_BODY_SECONDS = 10.0  # an error answer's body comes with its headers: longer is a stalled server
+
+# What aiohttp or the OS raise when a connection fails or a read times out.
+TRANSPORT_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
 
 # Headers that belong to one hop (RFC 9110 7.6.1) or that aiohttp sets itself.
 HOP_HEADERS = frozenset({
@@ -71,6 +85,86 @@ def error_message(status: int, raw: bytes) -> tuple[str, str | None]:
     return f"backend answered HTTP {status}", None
 
 
+def unreachable(url: str, e: BaseException, what: str = "unreachable") -> BackendUnreachable:
+    err = BackendUnreachable(f"backend {url} {what}: {type(e).__name__}: {e}", code="backend_unreachable")
+    err.__cause__ = e
+    return err
+
+
+async def _note_reuse(session: aiohttp.ClientSession, ctx: SimpleNamespace, params: Any) -> None:
+    if isinstance(ctx.trace_request_ctx, dict):
+        ctx.trace_request_ctx["reused"] = True
+
+
+def client_session() -> aiohttp.ClientSession:
+    """The aiohttp session lpcache talks to its backends with: one pool, connections kept idle below
+    llama-server's keep-alive, and told when a request went out on a pooled connection (see `_send`)."""
+    trace = aiohttp.TraceConfig()
+    trace.on_connection_reuseconn.append(_note_reuse)
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_SECONDS),
+                                 trace_configs=[trace])
+
+
+class Upstream:
+    """A backend's open answer. Its reads raise BackendUnreachable (the connection broke, the read timed out),
+    never aiohttp's errors. The caller releases it (`release` when read whole, so the connection is reused; else
+    `close`, which also tells llama-server to stop generating), or uses `async with`."""
+
+    def __init__(self, response: aiohttp.ClientResponse, url: str) -> None:
+        self.response = response
+        self.url = url
+
+    @property
+    def status(self) -> int:
+        return self.response.status
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        return self.response.headers
+
+    async def read(self) -> bytes:
+        try:
+            return await self.response.read()
+        except TRANSPORT_ERRORS as e:
+            raise unreachable(self.url, e, "broke its answer") from e
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self.response.content.iter_any():
+                yield chunk
+        except TRANSPORT_ERRORS as e:
+            raise unreachable(self.url, e, "broke its answer") from e
+
+    async def raise_error(self) -> NoReturn:
+        """An error status: raise it as BackendError with the body as it came (read within ERROR_BODY_SECONDS).
+        A body that breaks or stalls is BackendUnreachable: the request may go elsewhere."""
+        try:
+            async with asyncio.timeout(ERROR_BODY_SECONDS):
+                raw = await self.read()
+        except TimeoutError as e:
+            self.close()
+            raise unreachable(self.url, e, f"stalled its HTTP {self.status} answer") from e
+        except BackendUnreachable:
+            self.close()
+            raise
+        self.release()
+        message, kind = error_message(self.status, raw)
+        raise BackendError(message, status=self.status, type=kind or "backend_error", code=self.status, raw=raw,
+                           content_type=self.headers.get("Content-Type"))
+
+    def release(self) -> None:
+        self.response.release()
+
+    def close(self) -> None:
+        self.response.close()
+
+    async def __aenter__(self) -> Upstream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()
+
+
 class LlamaClient:
     """One llama-server. Shares the app's aiohttp session (one connection pool for all backends)."""
 
@@ -79,14 +173,15 @@ class LlamaClient:
         self.url = url.rstrip("/")
         self.session = session
         self.timeout = aiohttp.ClientTimeout(total=timeout)
-        self.short_timeout = aiohttp.ClientTimeout(total=min(timeout, 10.0))
+        self.short_timeout = aiohttp.ClientTimeout(total=min(timeout, ERROR_BODY_SECONDS))
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     async def chat(self, body: dict[str, Any], slot: int | None, path: str = CHAT_PATH,
-                   client_auth: str | None = None) -> aiohttp.ClientResponse:
-        """Send a chat request, pinned to `slot` when given. Returns the open response: the caller reads it (JSON
-        or SSE) and must release it. Without LLAMA_API_KEY, the client's own Authorization goes through, as it
-        would to llama-server directly."""
+                   client_auth: str | None = None) -> Upstream:
+        """Send a chat request, pinned to `slot` when given. Returns the open answer (status 200): the caller reads
+        it (JSON or SSE) and must release it. Another status raises BackendError with the backend's body; no answer
+        (or one whose error body breaks) raises BackendUnreachable. Without LLAMA_API_KEY, the client's own
+        Authorization goes through, as it would to llama-server directly."""
         params = None
         if slot is not None:
             pin(body, slot)
@@ -96,8 +191,11 @@ class LlamaClient:
             data = orjson.dumps(body)
         except TypeError as e:  # orjson reads 1024 levels of nesting but writes only 254
             raise BadRequest(f"request body cannot be passed on: {e}", code="invalid_body") from e
-        return await self._send("POST", path, params=params, data=data,
-                                headers={**auth, "Content-Type": "application/json"})
+        upstream = await self._send("POST", path, params=params, data=data,
+                                    headers={**auth, "Content-Type": "application/json"})
+        if upstream.status != 200:
+            await upstream.raise_error()
+        return upstream
 
     async def slot_action(self, slot: int, action: str, filename: str | None = None,
                           model: str | None = None) -> SlotAction:
@@ -112,13 +210,13 @@ class LlamaClient:
                 params["autoload"] = "false"
         started = time.perf_counter()
         try:
-            async with self.session.post(f"{self.url}/slots/{slot}", params=params,
-                                         data=orjson.dumps(payload), timeout=self.timeout,
-                                         headers={**self.headers, "Content-Type": "application/json"}) as resp:
+            async with await self._send("POST", f"/slots/{slot}", params=params, data=orjson.dumps(payload),
+                                        headers={**self.headers, "Content-Type": "application/json"}) as resp:
                 raw = await resp.read()
                 status = resp.status
-        except (aiohttp.ClientError, TimeoutError) as e:
-            return SlotAction(False, 0, {"error": f"{type(e).__name__}: {e}"}, _ms(started))
+        except BackendUnreachable as e:
+            cause = e.__cause__ or e
+            return SlotAction(False, 0, {"error": f"{type(cause).__name__}: {cause}"}, _ms(started))
         try:
             doc = orjson.loads(raw)
         except orjson.JSONDecodeError:
@@ -160,12 +258,10 @@ class LlamaClient:
 
     async def get_json(self, path: str) -> Any:
         """GET a small JSON document (/props, /slots, /health). Raises BackendUnreachable or BackendError."""
-        resp = await self._send("GET", path, headers=self.headers, timeout=self.short_timeout)
-        async with resp:
-            raw = await resp.read()
+        async with await self._send("GET", path, headers=self.headers, timeout=self.short_timeout) as resp:
             if resp.status != 200:
-                message, kind = error_message(resp.status, raw)
-                raise BackendError(message, status=resp.status, type=kind)
+                await resp.raise_error()
+            raw = await resp.read()
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError as e:
@@ -178,8 +274,7 @@ class LlamaClient:
             raise BackendError("/props has no total_slots", status=502)
         return n
 
-    async def forward(self, method: str, path_qs: str, headers: Mapping[str, str], body: bytes
-                      ) -> aiohttp.ClientResponse:
+    async def forward(self, method: str, path_qs: str, headers: Mapping[str, str], body: bytes) -> Upstream:
         """Pass any other request through unchanged (hop-by-hop headers aside; the API key, when lpcache has one,
         replaces the client's)."""
         out = {k: v for k, v in headers.items() if k.lower() not in HOP_HEADERS}
@@ -188,13 +283,26 @@ class LlamaClient:
         return await self._send(method, path_qs, data=body or None, headers=out, auto_decompress=False)
 
     async def _send(self, method: str, path: str, *, timeout: aiohttp.ClientTimeout | None = None,
-                    **kwargs: Any) -> aiohttp.ClientResponse:
-        try:
-            return await self.session.request(method, self.url + path, timeout=timeout or self.timeout,
-                                              allow_redirects=False, **kwargs)
-        except (aiohttp.ClientError, TimeoutError, OSError) as e:
-            raise BackendUnreachable(f"backend {self.url} unreachable: {type(e).__name__}: {e}",
-                                     code="backend_unreachable") from e
+                    **kwargs: Any) -> Upstream:
+        """Send a request; the answer's headers are in. A pooled connection found closed (the server's keep-alive
+        ran out just as it was taken) is no failure of the server: the request goes again at once on another."""
+        stale = 0
+        while True:
+            pooled = {"reused": False}
+            try:
+                response = await self.session.request(method, self.url + path, timeout=timeout or self.timeout,
+                                                      allow_redirects=False, trace_request_ctx=pooled, **kwargs)
+                return Upstream(response, self.url)
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
+                if (pooled["reused"] and stale < STALE_RETRIES
+                        and not isinstance(e, aiohttp.ClientConnectorError)):
+                    stale += 1
+                    log.info("stale_connection url=%s path=%s: a pooled connection was closed by the server; "
+                             "sent again at once", self.url, path.split("?", 1)[0])
+                    continue
+                raise unreachable(self.url, e) from e
+            except TRANSPORT_ERRORS as e:
+                raise unreachable(self.url, e) from e
 
 
 def _ms(started: float) -> float:

@@ -120,12 +120,13 @@ class Pipeline:
             await attempts.start()
         except asyncio.CancelledError:
             watch.stop()
-            if not watch.left():
-                raise
-            record.reason = "client_disconnected"
+            left = watch.left()
+            record.reason = "client_disconnected" if left else "cancelled"
             attempts.end_group({"error": {"message": "the client that asked first left", "type": "backend_error",
                                           "code": 502}})
-            attempts.cancelled()
+            attempts.cancelled()   # the slot goes back either way
+            if not left:
+                raise
             raise ClientGone() from None
         except ProxyError as e:
             watch.stop()

@@ -15,14 +15,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-import aiohttp
 import orjson
 from starlette.types import Message, Receive, Scope, Send
 
 from .coalesce import Group
-from .errors import ProxyError
+from .errors import BackendUnreachable, ProxyError
 from .guard import send_error
-from .llama import HOP_HEADERS
+from .llama import HOP_HEADERS, Upstream
 from .plugins.base import ChatRequest, Serve
 from .record import RequestRecord
 
@@ -75,9 +74,9 @@ class Source(Protocol):
     """Where an answer comes from (`attempts.Attempts`): the open upstream, a way to try elsewhere while the client
     has had no byte, the headers that describe the try, and the bookkeeping to run once the answer is over."""
 
-    upstream: aiohttp.ClientResponse | None
+    upstream: Upstream | None
 
-    async def retry(self, error: BaseException) -> aiohttp.ClientResponse: ...
+    async def retry(self, error: BaseException) -> Upstream: ...
 
     def headers(self) -> Headers: ...
 
@@ -109,7 +108,7 @@ class JsonRelay:
                     raw = await upstream.read()
                     self.source.generated()
                     break
-                except (aiohttp.ClientError, TimeoutError) as e:
+                except BackendUnreachable as e:
                     await self.source.retry(e)   # nothing went to the client yet: try elsewhere
             status, body = 200, raw
             try:
@@ -161,17 +160,17 @@ class SseRelay:
         self.started = started
         self._tail = b""
 
-    async def _read(self, upstream: aiohttp.ClientResponse, queue: asyncio.Queue[object]) -> None:
+    async def _read(self, upstream: Upstream, queue: asyncio.Queue[object]) -> None:
         """The background reader: upstream chunks into the queue, then the end marker (or the error)."""
         end: object = _END
         try:
-            async for chunk in upstream.content.iter_any():
+            async for chunk in upstream.chunks():
                 if self.record.ttft_ms is None:
                     self.record.ttft_ms = (time.perf_counter() - self.started) * 1000.0
                 self._scan(chunk)
                 await queue.put(chunk)
             self.source.generated()
-        except (aiohttp.ClientError, TimeoutError) as e:
+        except BackendUnreachable as e:
             end = e
         finally:
             with contextlib.suppress(asyncio.CancelledError):
@@ -223,7 +222,7 @@ class SseRelay:
                 # Bytes already went out: end the stream with a well-formed error event, never a hang.
                 self.record.reason = "backend_unreachable"
                 event = b"data: " + orjson.dumps({"error": {
-                    "message": f"backend stream broke: {type(item).__name__}: {item}",
+                    "message": f"backend stream broke: {item}",
                     "type": "backend_unreachable", "code": 502}}) + b"\n\n"
                 self.record.bytes_out += len(event)
                 await send({"type": "http.response.body", "body": event, "more_body": False})
@@ -330,7 +329,7 @@ async def _send_error(send: Send, err: ProxyError, record: RequestRecord) -> Non
 class PassThrough:
     """Any other route: the backend's status, headers and body, streamed as they come, no slot involved."""
 
-    def __init__(self, upstream: aiohttp.ClientResponse, record: RequestRecord,
+    def __init__(self, upstream: Upstream, record: RequestRecord,
                  done: Callable[[RequestRecord], None] | None = None) -> None:
         self.upstream = upstream
         self.record = record
@@ -343,7 +342,7 @@ class PassThrough:
         watch = ClientWatch(receive)
         try:
             await send({"type": "http.response.start", "status": self.upstream.status, "headers": headers})
-            async for chunk in self.upstream.content.iter_any():
+            async for chunk in self.upstream.chunks():
                 self.record.bytes_out += len(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -351,7 +350,7 @@ class PassThrough:
             if not watch.left():
                 raise
             self.record.reason = "client_disconnected"
-        except (aiohttp.ClientError, TimeoutError):
+        except BackendUnreachable:
             self.record.reason = "backend_unreachable"
         finally:
             watch.stop()

@@ -5,7 +5,8 @@ shutdown; and what is recorded of it (meta file, session entry).
 A save only ever records what the slot really holds: a request whose prompt was not read to its end (the client
 left during the prefill) leaves a partial cache, which is neither saved nor allowed to supersede the conversation's
 previous, complete file. Saves are retried only when a retry can succeed (the connection, a timeout, a 5xx other
-than 501).
+than 501), while the slot is held; a refusal (400, 401, 403, 404) is not retried. A 501 (the server has no
+--slot-save-path) turns saving and restoring off for that backend, with one log line, until it is seen down and back.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from .record import RequestRecord
 from .router_models import RouterModels
 from .server_cache import ServerCaches
 from .sessions import SessionBook, route_name
-from .slots import Choice, Content, Slot, SlotPool
+from .slots import Choice, Content, Lease, Slot, SlotPool
 from .speeds import SpeedBook
 
 log = logging.getLogger("lpcache.saving")
@@ -44,8 +45,17 @@ class BackgroundSaves:
 
 def retryable(result: SlotAction) -> bool:
     """A save that failed for a reason that may pass: no answer, a timeout, a server error (not 501: the server
-    has no --slot-save-path, and never will until it restarts)."""
-    return result.status == 0 or (result.status >= 500 and result.status != 501)
+    has no --slot-save-path, and never will until it restarts). A refusal (400 a router's, 401/403 the key, 404
+    the slot) will be the same next time."""
+    return not result.ok and (result.status == 0 or (result.status >= 500 and result.status != 501))
+
+
+def slot_files_off(backend: Backend, result: SlotAction) -> None:
+    """A slot call answered 501: the server has no --slot-save-path; stop asking it (logged once)."""
+    if result.status == 501 and not backend.saves_off:
+        backend.saves_off = True
+        log.warning("slot_saving_off url=%s: the server answered 501 to a slot call (no --slot-save-path); lpcache "
+                    "stops saving and restoring there until it restarts", backend.url)
 
 
 def int_or_none(value: Any) -> int | None:
@@ -100,11 +110,12 @@ class Saver:
             speeds.generate.add(record.gen_ms, record.completion_tokens)
         speeds.learn_chars(prompt.chars, record.prompt_tokens)
 
-    async def after(self, choice: Choice, backend: Backend, prompt: Prompt, big: bool, record: RequestRecord,
+    async def after(self, lease: Lease, backend: Backend, prompt: Prompt, big: bool, record: RequestRecord,
                     want: Content | None, prefilled: bool, held_blocks: int) -> None:
-        """After the client has its answer: save a big prompt's cache (SAVE_POLICY=eager), record it, release the
-        slot, tell the observers. Runs even when the client left mid-stream: the prompt's cache is still worth
+        """After the client has its answer: save a big prompt's cache (SAVE_POLICY=eager), record it, give the
+        slot back, tell the observers. Runs even when the client left mid-stream: the prompt's cache is still worth
         keeping. With SAVE_POLICY=evict the cache stays unsaved in the slot until something needs the slot."""
+        choice = lease.choice
         content: Content | None = None
         try:
             self.learn(backend, prompt, record)
@@ -132,8 +143,8 @@ class Saver:
         except Exception:  # never leave the slot locked
             log.exception("save_crashed key=%s", prompt.key[:16])
             content = None
-        finally:
-            self.pool.release(choice.slot, content)
+        finally:   # a cancellation (shutdown) included
+            lease.give_back(content)
             self.schedule_idle_save(choice.slot, backend)
             self.notify(record)
 
@@ -142,6 +153,7 @@ class Saver:
         """Eager: write the session's cache to its file now (no retries: the next swap saves it again)."""
         result, _ = await swap.save(backend.client, choice.slot.id, content, self.folders[backend.index],
                                     RouterModels.slot_model(backend, content.model))
+        slot_files_off(backend, result)
         self.record_save(backend, content, result, record)
         if not result.ok:
             record.reason = record.reason or "save_failed"
@@ -172,6 +184,7 @@ class Saver:
                 return replace(content, saved=True)
             log.warning("slot_save_failed key=%s slot=%s attempt=%d/%d status=%s reason=%r", content.key[:16],
                         slot.name, attempt, attempts, result.status, result.error)
+            slot_files_off(backend, result)
             if attempt < attempts and retryable(result):
                 await asyncio.sleep(self.settings.save_retry_delay_ms / 1000.0)
             else:
@@ -206,6 +219,7 @@ class Saver:
                    record: RequestRecord | None) -> None:
         """Bookkeeping after the slot's previous cache was saved under its own name: its meta file (a prefix
         cache) or its session entry; a failed save of a prefix cache may have left a partial file."""
+        slot_files_off(backend, result)
         n_written = int_or_none(result.body.get("n_written"))
         if record is not None:
             record.swap_saved, record.swap_save_ms, record.swap_save_bytes = result.ok, result.ms, n_written

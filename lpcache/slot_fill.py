@@ -33,7 +33,7 @@ from .prefix import Prompt, common_prefix
 from .record import RequestRecord
 from .reuse import REUSE_MIN_TOKENS, REUSE_SHORT, ReuseWatch
 from .router_models import RouterModels
-from .saving import Saver, int_or_none
+from .saving import Saver, int_or_none, slot_files_off
 from .sessions import SessionBook, route_name
 from .slots import Choice, Content, Slot, SlotPool, Want, wait_plan
 from .speeds import SpeedBook
@@ -73,8 +73,8 @@ class SlotFiller:
 
     def enabled(self, backend: Backend, model: str) -> bool:
         """Save and restore for this backend and model: its model's identity is known, BACKENDS does not turn it
-        off, and its restores are not found useless."""
-        return (backend.kv_cache and backend.identity(route_name(model)) is not None
+        off, the server can (it did not answer 501), and its restores are not found useless."""
+        return (backend.kv_cache and not backend.saves_off and backend.identity(route_name(model)) is not None
                 and self.reuse.enabled(backend.index, RouterModels.served(backend, model)))
 
     def lookup(self, prompt: Prompt) -> Callable[[], Candidate | None]:
@@ -269,6 +269,7 @@ class SlotFiller:
 
     def note_restore(self, backend: Backend, model: str, result: SlotAction, record: RequestRecord) -> None:
         """A restore's answer, in the record and (when it worked) in the backend's restore speed."""
+        slot_files_off(backend, result)
         record.restored, record.restore_ms = result.ok, result.ms
         record.restore_bytes = int_or_none(result.body.get("n_read"))
         record.restored_tokens = int_or_none(result.body.get("n_restored"))

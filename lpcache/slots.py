@@ -335,12 +335,14 @@ class SlotPool:
         """The two-phase wait: when `plan` names busy slots worth waiting for, wait for one of them up to
         `plan.seconds`, then for any allowed slot up to the pool's timeout. Returns the choice and whether it came
         from the plan."""
+        total = self.wait_timeout if timeout is None else timeout
+        deadline = time.monotonic() + total   # the whole wait, both phases: SLOT_WAIT_TIMEOUT is the bound
         if plan is not None:
             try:
-                return await self.acquire(want.only(plan.wanted), min(plan.seconds, timeout or self.wait_timeout)), True
+                return await self.acquire(want.only(plan.wanted), min(plan.seconds, total)), True
             except SlotsBusy:
                 pass
-        return await self.acquire(want, timeout), False
+        return await self.acquire(want, max(deadline - time.monotonic(), 0.0)), False
 
     def release(self, slot: Slot, content: Content | None | bool = True, used: bool = True) -> None:
         """Give a slot back. `content`: what it now holds (True: unchanged, None: unknown). `used` False: it
@@ -383,3 +385,35 @@ class SlotPool:
                 continue
             self._waiters.remove(waiter)
             waiter.future.set_result(self._take(waiter.want.choose(idle)))
+
+
+class Lease:
+    """A slot held for one request's try, given back exactly once: by whoever it was handed to, or, used as
+    `async with`, when anything is raised inside (a cancellation included), with `on_error` as what the slot then
+    holds (None: unknown). `keep()` inside the block: the holder gives it back later, even if something is raised."""
+
+    def __init__(self, pool: SlotPool, choice: Choice, on_error: Content | None | bool = None) -> None:
+        self.pool = pool
+        self.choice = choice
+        self.on_error = on_error
+        self.kept = False
+        self.returned = False
+
+    @property
+    def slot(self) -> Slot:
+        return self.choice.slot
+
+    def keep(self) -> None:
+        self.kept = True
+
+    def give_back(self, content: Content | None | bool = True, used: bool = True) -> None:
+        if not self.returned:
+            self.returned = True
+            self.pool.release(self.choice.slot, content, used)
+
+    async def __aenter__(self) -> Lease:
+        return self
+
+    async def __aexit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: object) -> None:
+        if error is not None and not self.kept:
+            self.give_back(self.on_error)

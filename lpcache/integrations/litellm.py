@@ -47,7 +47,7 @@ from .. import swap
 from ..backends import model_fingerprint, router_model_fingerprint
 from ..cache_files import Limits
 from ..errors import ProxyError
-from ..llama import LlamaClient
+from ..llama import LlamaClient, client_session
 from ..sessions import SessionBook, route_name, route_tag, session_filename, session_id
 from ..slots import Content
 
@@ -238,7 +238,7 @@ class SlotCacheHook(CustomLogger):
 
     def _client(self, root: str, api_key: str | None) -> LlamaClient:
         if self._http is None or self._http.closed:
-            self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+            self._http = client_session()   # connections kept idle less long than llama-server keeps them
             self._clients.clear()
         client = self._clients.get((root, api_key))
         if client is None:

@@ -1,7 +1,9 @@
 """Injected faults: what is armed, and the middleware that applies them.
 
 Faults model an upstream that misbehaves: slow, erroring, dropping the connection
-before a byte is sent, never answering, or cutting a stream. ``drop`` and the stream
+before a byte is sent, never answering, cutting a stream, or sending half of an
+answer's body (any answer: an error, ``/slots``, ``/props``, ``/health``, a save) and
+then cutting the connection (``body_cut``) or going silent (``body_stall``). ``drop`` and the stream
 cut act on the real TCP connection, which uvicorn does not expose to the app; the
 app captures it from uvicorn's ``send`` (see ``capture_transport``).
 """
@@ -35,7 +37,9 @@ class Faults:
     stream_break_count: int = -1
     save_status: int | None = None
     save_fail_count: int = -1
-    paths: tuple[str, ...] = INFERENCE_PATHS  # where latency/status/drop/hang apply
+    body_cut: int = 0
+    body_stall: int = 0
+    paths: tuple[str, ...] = INFERENCE_PATHS  # where latency/status/drop/hang/body_cut/body_stall apply
 
     def update(self, data: dict[str, Any]) -> None:
         """Set the given fields, all or none; ValueError names the first bad one."""
@@ -73,6 +77,10 @@ class Faults:
     def take_hang(self) -> bool:
         return self._take_one("hang")
 
+    def take_body_break(self) -> str | None:
+        """"cut" or "stall" when this answer's body is to break halfway."""
+        return "cut" if self._take_one("body_cut") else "stall" if self._take_one("body_stall") else None
+
     def _take(self, name: str, count_name: str) -> int | None:
         """The armed value for one request, if any; disarms it when its count runs out."""
         value: int | None = getattr(self, name)
@@ -106,7 +114,7 @@ def _check(key: str, value: Any) -> Any:
         ok = value is None or (is_int(value) and 100 <= value <= 599)
     elif key in ("status_count", "stream_break_count", "save_fail_count"):
         ok = is_int(value) and value >= -1
-    elif key in ("drop", "hang"):
+    elif key in ("drop", "hang", "body_cut", "body_stall"):
         ok = is_int(value) and value >= 0
     elif key == "stream_break_after":
         ok = value is None or (is_int(value) and value >= 0)
@@ -165,8 +173,12 @@ async def wait_disconnect(receive: Receive) -> None:
             return
 
 
+class _BodyBroken(Exception):
+    """The answer's body was broken on purpose: the app's response ends here."""
+
+
 class FaultMiddleware:
-    """Applies latency, hang, drop and status faults to requests on ``faults.paths``."""
+    """Applies latency, hang, drop, status and body faults to requests on ``faults.paths``."""
 
     def __init__(self, app: ASGIApp, faults: Faults, closing: asyncio.Event) -> None:
         self.app = app
@@ -179,6 +191,32 @@ class FaultMiddleware:
             return
         if self.faults.latency_ms:
             await asyncio.sleep(self.faults.latency_ms / 1000)
+        how = self.faults.take_body_break()
+        if how is not None:
+            send = self._breaking(scope, receive, send, how)
+        try:
+            await self._apply(scope, receive, send)
+        except _BodyBroken:
+            pass
+
+    def _breaking(self, scope: Scope, receive: Receive, send: Send, how: str) -> Send:
+        """A ``send`` that lets the headers and half of the first body chunk out, then cuts or goes silent."""
+
+        async def breaking(message: Message) -> None:
+            if message["type"] != "http.response.body":
+                await send(message)
+                return
+            body = message.get("body", b"")
+            await send({"type": "http.response.body", "body": body[: len(body) // 2], "more_body": True})
+            if how == "cut":
+                await cut_connection(scope)
+            else:
+                await self._hang(scope, receive)
+            raise _BodyBroken()
+
+        return breaking
+
+    async def _apply(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.faults.take_hang():
             await self._hang(scope, receive)
         elif self.faults.take_drop():

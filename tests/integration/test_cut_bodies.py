@@ -1,0 +1,207 @@
+"""Answers that break halfway: error bodies, `/slots`, `/props`, `/health` and save answers cut or stalled by the
+stand-in (`body_cut`, `body_stall`). After each: no busy slot, no waiter, a well-formed client answer (failover
+where another backend exists), the prober alive; and a backend's own error passed on as it came."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from lpcache import llama
+from lpcache.config import BackendConfig
+from lpcache.mock_llama import MockHandle
+
+from ..conftest import Proxy, user, words
+from .conftest import mock_stats
+
+SMALL = 20
+BIG = 200
+
+
+def fault(backend: MockHandle, **faults: Any) -> None:
+    httpx.post(f"{backend.url}/mock/faults", json=faults).raise_for_status()
+
+
+def armed(backend: MockHandle) -> dict[str, Any]:
+    return httpx.get(f"{backend.url}/mock/faults").json()  # type: ignore[no-any-return]
+
+
+def wait_for(condition: Any, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+@pytest.fixture(autouse=True)
+def short_error_bodies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stalled error body is given up after half a second (10 s in production)."""
+    monkeypatch.setattr(llama, "ERROR_BODY_SECONDS", 0.5)
+
+
+def all_free(proxy: Proxy) -> None:
+    """Nothing held: no busy slot in lpcache's state nor in GET /health, nobody waiting."""
+    proxy.settle()
+    assert proxy.busy_slots() == []
+    health = proxy.client.get("/health").json()
+    assert [b["busy_slots"] for b in health["backends"]] == [0] * len(health["backends"])
+    assert health["waiting"] == 0
+
+
+def openai_error(r: httpx.Response, status: int) -> dict[str, Any]:
+    assert r.status_code == status and r.headers["content-type"].startswith("application/json")
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "code"}
+    return err  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("how", ["body_cut", "body_stall"])
+def test_an_error_answer_whose_body_breaks_fails_over(start_backend: Any, start_proxy: Any, how: str) -> None:
+    a, b = start_backend(), start_backend()
+    proxy = start_proxy(a, b, request_timeout=5.0, breaker_cooldown_ms=60000)
+    fault(a, status=500, status_count=1, **{how: 1})
+    r = proxy.chat(user(words(1, SMALL)))
+    assert r.status_code == 200 and r.headers["x-lpcache-slot"].startswith("1:")
+    assert r.json()["choices"][0]["message"]["content"]
+    proxy.wait_finished(1)
+    assert proxy.records[0].retries == 1
+    assert proxy.pipeline.backends[0].breaker.state == "open"
+    assert armed(a)[how] == 0   # the fault did fire
+    all_free(proxy)
+
+
+@pytest.mark.parametrize("how", ["body_cut", "body_stall"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_one_slot_server_keeps_serving_after_a_broken_error_body(start_backend: Any, start_proxy: Any, how: str,
+                                                                    stream: bool) -> None:
+    backend = start_backend(slots=1)
+    proxy = start_proxy(backend, request_timeout=2.0, breaker_cooldown_ms=1)
+    fault(backend, status=503, status_count=1, **{how: 1})
+    r = proxy.client.post("/v1/chat/completions", json={"messages": user(words(1, SMALL)), "stream": stream})
+    assert openai_error(r, 502)["type"] == "backend_unreachable"
+    all_free(proxy)
+    for i in range(3):   # the one slot was given back: every later request is served
+        r = proxy.client.post("/v1/chat/completions", json={"messages": user(words(2 + i, SMALL)), "stream": stream})
+        assert r.status_code == 200
+    all_free(proxy)
+
+
+@pytest.mark.parametrize("how", ["body_cut", "body_stall"])
+def test_cut_slots_and_props_bodies_on_a_request_s_way(start_backend: Any, start_proxy: Any, how: str) -> None:
+    """A backend silent for a while is asked /props, /v1/models and /slots before its slots are used again; those
+    answers break: the request is served all the same."""
+    a = start_backend(slots=1)
+    proxy = start_proxy(a, request_timeout=2.0)
+    assert proxy.chat(user(words(1, BIG))).status_code == 200
+    proxy.settle()
+    backend = proxy.pipeline.backends[0]
+    assert any(s.content is not None for s in proxy.pipeline.pool.slots)
+    fault(a, paths=["/props", "/v1/models", "/slots"], **{how: 3})
+    for i in range(3):
+        backend.suspect, backend.last_seen = True, 0.0   # its slots are checked before this request
+        r = proxy.chat(user(words(1, BIG) + f" and then {i}"))
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+        all_free(proxy)
+    assert armed(a)[how] == 0
+
+
+def test_a_cut_slots_body_during_a_session_swap(start_backend: Any, start_proxy: Any) -> None:
+    a = start_backend(slots=1)
+    proxy = start_proxy(a, request_timeout=2.0)
+    one, two = "1" * 32, "2" * 32
+    assert proxy.chat(user(words(1, BIG)), headers={"X-Session-ID": one}).status_code == 200
+    proxy.settle()
+    fault(a, paths=["/slots"], body_cut=5)
+    r = proxy.chat(user(words(2, BIG)), headers={"X-Session-ID": two})   # swaps one out: asks /slots first
+    assert r.status_code == 200
+    all_free(proxy)
+    assert armed(a)["body_cut"] < 5
+
+
+@pytest.mark.parametrize("how", ["body_cut", "body_stall"])
+def test_the_prober_survives_broken_health_bodies(start_backend: Any, start_proxy: Any, how: str) -> None:
+    """A down backend's /props and /health answers break while the prober asks: it keeps probing, and the backend
+    serves as soon as it answers whole, long before its (60 s) cooldown is over."""
+    a = start_backend()
+    proxy = start_proxy(BackendConfig(a.url, 2, a.app_state.config.slot_save_path), request_timeout=1.0,
+                        breaker_cooldown_ms=60000)
+    backend = proxy.pipeline.backends[0]
+    fault(a, paths=["/props", "/health", "/v1/models"], **{how: 4})
+    proxy.run(_fail(backend))
+    wait_for(lambda: armed(a)[how] == 0)
+    wait_for(lambda: backend.breaker.state == "closed")
+    assert backend.breaker.failures == 0   # closed by the prober (nothing else asks it), after every break
+    r = proxy.chat(user(words(1, SMALL)))
+    assert r.status_code == 200 and r.headers["x-lpcache-slot"].startswith("0:")
+    all_free(proxy)
+
+
+async def _fail(backend: Any) -> None:
+    backend.failed("test: taken down")
+
+
+@pytest.mark.parametrize("how", ["body_cut", "body_stall"])
+def test_a_broken_save_answer_is_retried_and_the_slot_given_back(start_backend: Any, start_proxy: Any,
+                                                                  how: str) -> None:
+    a = start_backend(slots=1)
+    proxy = start_proxy(a, request_timeout=1.5, save_retries=2)
+    fault(a, paths=["/slots/0"], **{how: 1})
+    assert proxy.chat(user(words(1, BIG))).status_code == 200
+    proxy.wait_finished(1)
+    assert proxy.records[0].saved is True          # the retry saved it
+    assert armed(a)[how] == 0
+    assert mock_stats(a)["requests_by_path"]["/slots/0"] == 2
+    all_free(proxy)
+    assert proxy.chat(user(words(2, SMALL))).status_code == 200
+    all_free(proxy)
+
+
+def test_a_501_turns_saving_off_with_one_line(start_backend: Any, start_proxy: Any,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    a = start_backend(slots=1)
+    proxy = start_proxy(a, save_retries=3, save_retry_delay_ms=2000)
+    fault(a, save_status=501)
+    started = time.monotonic()
+    for i in range(3):
+        assert proxy.chat(user(words(i, BIG))).status_code == 200
+        proxy.settle()
+    assert time.monotonic() - started < 2.0        # never retried (the delay is 2 s)
+    assert mock_stats(a)["requests_by_path"]["/slots/0"] == 1   # asked once, then never again
+    assert proxy.pipeline.backends[0].saves_off
+    assert caplog.text.count("slot_saving_off") == 1
+    assert [r.saved for r in proxy.records] == [False, None, None]
+    all_free(proxy)
+
+
+@pytest.mark.parametrize("status", [400, 401, 403, 404])
+def test_a_refused_save_is_not_retried(start_backend: Any, start_proxy: Any, status: int) -> None:
+    a = start_backend(slots=1)
+    proxy = start_proxy(a, save_retries=3, save_retry_delay_ms=2000)
+    fault(a, save_status=status, save_fail_count=1)
+    started = time.monotonic()
+    assert proxy.chat(user(words(1, BIG))).status_code == 200
+    proxy.settle()
+    assert time.monotonic() - started < 2.0
+    assert mock_stats(a)["requests_by_path"]["/slots/0"] == 1
+    assert proxy.records[0].saved is False and not proxy.pipeline.backends[0].saves_off
+    all_free(proxy)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_backend_error_passes_on_as_it_came(start_backend: Any, start_proxy: Any, stream: bool) -> None:
+    a = start_backend(n_ctx=64)
+    proxy = start_proxy(a)
+    r = proxy.client.post("/v1/chat/completions", json={"messages": user(words(1, 100)), "stream": stream})
+    direct = httpx.post(f"{a.url}/v1/chat/completions", json={"messages": user(words(1, 100)), "stream": stream})
+    assert r.status_code == direct.status_code == 400
+    assert r.content == direct.content
+    assert r.headers["content-type"] == direct.headers["content-type"]
+    err = orjson.loads(r.content)["error"]
+    assert err["n_ctx"] == 64 and err["n_prompt_tokens"] > 64 and err["type"] == "exceed_context_size_error"
+    all_free(proxy)

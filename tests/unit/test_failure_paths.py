@@ -1,0 +1,233 @@
+"""The failure paths' small rules: one half-open probe, the prober that never dies and closes a breaker as soon as a
+down backend answers, which saves are retried, the lease that always gives its slot back, the whole slot wait
+bounded by SLOT_WAIT_TIMEOUT, and a pooled connection found closed sent again at once."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from lpcache.backends import CLOSED, Backend, Breaker, Prober
+from lpcache.config import BackendConfig
+from lpcache.errors import BackendUnreachable, SlotsBusy
+from lpcache.llama import LlamaClient, SlotAction, client_session
+from lpcache.saving import retryable
+from lpcache.slots import Lease, Slot, SlotPool, WaitPlan, Want
+
+# ---- the breaker: exactly one probe per cooldown ----
+
+
+def test_half_open_lets_exactly_one_claim_through() -> None:
+    b = Breaker(base_cooldown=1.0)
+    b.failure(0.0)
+    assert not b.claim(0.5)                      # cooling down: nothing is the probe
+    assert b.available(1.0)
+    assert b.claim(1.0)                          # the first try after the cooldown is the probe
+    assert not b.available(1.0)
+    assert [b.claim(1.0) for _ in range(5)] == [False] * 5   # no second probe in the same cooldown
+    b.failure(1.2)                               # the probe failed: a new, longer cooldown, with its own probe
+    assert not b.claim(2.0) and b.claim(3.2)
+
+
+def test_a_closed_breaker_lets_every_claim_through() -> None:
+    b = Breaker()
+    assert all(b.claim(float(i)) for i in range(3)) and b.state == CLOSED
+
+
+class _Client:
+    """A backend client whose /props answers as told (a callable: raise or return)."""
+
+    url = "http://x"
+
+    def __init__(self, answer: Any) -> None:
+        self.answer = answer
+        self.asked = 0
+
+    async def props(self, model: str | None = None) -> dict[str, Any]:
+        self.asked += 1
+        return self.answer()  # type: ignore[no-any-return]
+
+    async def get_json(self, path: str) -> Any:
+        return {"data": []}
+
+
+def _backend(answer: Any, cooldown: float = 60.0) -> tuple[Backend, _Client]:
+    client = _Client(answer)
+    backend = Backend(0, BackendConfig("http://x", 1), client, 1, Breaker(cooldown, cooldown))  # type: ignore[arg-type]
+    return backend, client
+
+
+def _raise(e: BaseException) -> Any:
+    def answer() -> Any:
+        raise e
+    return answer
+
+
+def test_the_prober_closes_a_down_backend_as_soon_as_it_answers() -> None:
+    async def run() -> None:
+        state = {"up": False}
+        backend, client = _backend(lambda: {"total_slots": 1} if state["up"] else _raise(
+            BackendUnreachable("refused"))())
+        backend.failed("refused")                     # down, for 60 s
+        prober = Prober([backend], lambda b, n: None)
+        await prober.round()
+        assert client.asked == 1 and backend.breaker.state == "open" and backend.breaker.failures == 1
+        state["up"] = True
+        await prober.round()                          # long before the cooldown's end
+        assert backend.breaker.state == CLOSED
+
+    asyncio.run(run())
+
+
+def test_a_backend_that_answered_errors_waits_out_its_cooldown() -> None:
+    async def run() -> None:
+        backend, client = _backend(lambda: {"total_slots": 1})
+        backend.failed("HTTP 500", down=False)
+        await Prober([backend], lambda b, n: None).round()
+        assert client.asked == 0 and backend.breaker.state == "open"
+
+    asyncio.run(run())
+
+
+def test_the_prober_does_not_probe_a_half_open_backend_whose_probe_is_out() -> None:
+    async def run() -> None:
+        backend, client = _backend(lambda: {"total_slots": 1}, cooldown=0.001)
+        backend.failed("refused")
+        assert backend.breaker.claim(backend.breaker.open_until)   # at the cooldown's end, a request took the probe
+        await Prober([backend], lambda b, n: None).round()
+        assert client.asked == 0
+
+    asyncio.run(run())
+
+
+def test_the_prober_survives_any_exception() -> None:
+    async def run() -> None:
+        backend, client = _backend(_raise(RuntimeError("a bug")), cooldown=0.001)
+        backend.failed("refused")
+        prober = Prober([backend], lambda b, n: None, interval=0.01)
+        prober.start()
+        try:
+            deadline = time.monotonic() + 5
+            while client.asked < 3:   # it keeps probing after the crash
+                assert time.monotonic() < deadline and prober._task is not None and not prober._task.done()
+                await asyncio.sleep(0.01)
+        finally:
+            await prober.stop()
+
+    asyncio.run(run())
+
+
+# ---- which saves are retried ----
+
+
+@pytest.mark.parametrize(("status", "again"), [
+    (0, True), (500, True), (502, True), (503, True), (504, True),
+    (501, False), (400, False), (401, False), (403, False), (404, False), (200, False),
+])
+def test_only_a_save_that_can_succeed_later_is_retried(status: int, again: bool) -> None:
+    assert retryable(SlotAction(status == 200, status, {}, 1.0)) is again
+
+
+# ---- the lease ----
+
+
+def test_a_lease_gives_its_slot_back_whatever_is_raised() -> None:
+    async def run() -> None:
+        pool = SlotPool([Slot(0, 0, True, None, "http://x")], wait_timeout=1.0)
+        for error in (RuntimeError("bug"), asyncio.CancelledError()):
+            choice = await pool.acquire(Want())
+            lease = Lease(pool, choice)
+            with pytest.raises(type(error)):
+                async with lease:
+                    raise error
+            assert not choice.slot.busy
+            choice.slot.busy = True      # given back once only: a second give-back frees nobody else's slot
+            lease.give_back()
+            assert choice.slot.busy
+            choice.slot.busy = False
+        choice = await pool.acquire(Want())
+        async with Lease(pool, choice) as kept:   # no error: the holder keeps it
+            pass
+        assert choice.slot.busy
+        kept.give_back()
+        assert not choice.slot.busy
+
+    asyncio.run(run())
+
+
+def test_slot_wait_timeout_bounds_the_whole_wait() -> None:
+    async def run() -> None:
+        pool = SlotPool([Slot(0, 0, True, None, "http://x")], wait_timeout=0.4)
+        await pool.acquire(Want())                       # the only slot is busy from here on
+        started = time.monotonic()
+        with pytest.raises(SlotsBusy):
+            await pool.take(Want(), WaitPlan(lambda s: True, 0.3))
+        assert time.monotonic() - started < 0.6           # not 0.3 + 0.4
+
+    asyncio.run(run())
+
+
+# ---- a pooled connection the server closed ----
+
+
+async def _server(answer_once: bool) -> tuple[asyncio.Server, list[int]]:
+    """A raw HTTP server: each connection answers its first request (keep-alive) and closes on the next one without
+    answering, as llama-server does when its keep-alive ran out just as the request came. `answer_once` False:
+    it closes every connection at once (a server that is really failing)."""
+    connections: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(1)
+        served = 0
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                await reader.readexactly(length)
+                if served or not answer_once:
+                    break
+                body = b'{"id_slot": 0, "filename": "f", "n_saved": 3, "n_written": 30}'
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                             + str(len(body)).encode() + b"\r\n\r\n" + body)
+                await writer.drain()
+                served += 1
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, connections
+
+
+def test_a_request_on_a_pooled_connection_found_closed_is_sent_again_at_once() -> None:
+    async def run() -> None:
+        server, connections = await _server(answer_once=True)
+        port = server.sockets[0].getsockname()[1]
+        async with client_session() as session:
+            client = LlamaClient(f"http://127.0.0.1:{port}", session, timeout=5.0)
+            for _ in range(3):
+                started = time.monotonic()
+                result = await client.slot_action(0, "save", "f")
+                assert result.ok and time.monotonic() - started < 1.0
+        server.close()
+        assert len(connections) == 3    # each later request: the pooled one found closed, then a new one
+
+    asyncio.run(run())
+
+
+def test_a_fresh_connection_that_fails_is_not_sent_again() -> None:
+    async def run() -> None:
+        server, connections = await _server(answer_once=False)
+        port = server.sockets[0].getsockname()[1]
+        async with client_session() as session:
+            client = LlamaClient(f"http://127.0.0.1:{port}", session, timeout=5.0)
+            result = await client.slot_action(0, "save", "f")
+        server.close()
+        assert not result.ok and result.status == 0 and len(connections) == 1
+
+    asyncio.run(run())
