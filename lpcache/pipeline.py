@@ -24,10 +24,10 @@ from .attempts import Attempts, Crew
 from .backends import Backend
 from .cache_files import Limits
 from .chat_request import ChatCall
-from .coalesce import Coalescer, coalesce_key
+from .coalesce import Coalescer, Group, coalesce_key
 from .config import Settings
 from .errors import ClientGone, ProxyError
-from .guard import bearer_token, read_body
+from .guard import client_identity, read_body, shown_headers
 from .index import MetaIndex
 from .plugins.base import Answer, ChatRequest, Prefilter, Reject, Serve
 from .prefix import Prompt, raw_prefix
@@ -91,14 +91,18 @@ class Pipeline:
         router = await self.routers.unknown(call.model)
         if router is not None:   # no router serves that model: it says so itself, and nothing is made for it
             return await router_says(router, request, body, record, self.notify)
-        view = None
+        # Who asks: answers are shared (coalescing, the result cache) only within one client and one session.
+        client = client_identity(request.headers.get("authorization"), bool(self.settings.api_keys))
+        session = request.headers.get("x-session-id")
+        view, listeners = None, []
         if self.prefilters:
             view = ChatRequest(body=dict(body), key=prompt.key, model=call.model, stream=call.stream,
-                               text=raw_prefix(body["messages"]), headers=dict(request.headers),
-                               client_key=self.client_key(request))
+                               text=raw_prefix(body["messages"]), headers=shown_headers(request.headers),
+                               client_key=client, session=session)
             served = await self.prefilter(view, record)
             if served is not None:
                 return ServedRelay(served, record, self.notify, self.spawn, view)
+            listeners = self.listeners(view)
         want = self.session_cache(request, prompt, body["messages"], record)
         if call.big:
             body["cache_prompt"] = True
@@ -106,15 +110,19 @@ class Pipeline:
         # From here on a client that leaves cancels the work: waiting for a slot, restoring, or generating.
         watch = ClientWatch(request.receive)
         group = None
-        if self.settings.coalesce_requests:
-            group, leader = self.coalescer.join(coalesce_key(body), call.stream)
+        key = coalesce_key(body, client, session) if self.settings.coalesce_requests else None
+        if key is not None:
+            group, leader = self.coalescer.join(key, call.stream)
             if not leader:
                 record.coalesced = True
                 return FollowerRelay(group, call.stream, record, watch, self.notify)
             record.coalesced = False
+            self.lead(group, watch)
         # With client keys, Authorization is lpcache's own; without, it goes on to llama-server as it came.
         client_auth = None if self.settings.api_keys else request.headers.get("authorization")
-        attempts = Attempts(self.crew, body, prompt, call.big, record, client_auth, view, want)
+        attempts = Attempts(self.crew, body, prompt, call.big, record, client_auth,
+                            view if listeners else None, want)
+        attempts.listeners = listeners
         attempts.group = group
         try:
             await attempts.start()
@@ -138,6 +146,24 @@ class Pipeline:
         if call.stream:
             return SseRelay(attempts, record, watch, self.settings.stream_queue_size, started)
         return JsonRelay(attempts, record, watch)
+
+    def lead(self, group: Group, watch: ClientWatch) -> None:
+        """The leader's work outlives its client while followers wait for the answer: when the client leaves, the
+        work goes on if any follower is there; when the last follower leaves a leader whose client is gone, it
+        stops (the backend call is closed and the slot freed). A group whose work stops is joined no more."""
+        def stay() -> bool:
+            if group.followers > 0:
+                log.info("coalesce_leader_left followers=%d: the answer is read on for them", group.followers)
+                return True
+            self.coalescer.close(group)
+            return False
+
+        def alone() -> None:
+            if watch.gone:
+                self.coalescer.close(group)
+                watch.stop_work()
+
+        watch.stay, group.on_alone = stay, alone
 
     def session_cache(self, request: Request, prompt: Prompt, messages: list[Any],
                       record: RequestRecord) -> Content | None:
@@ -178,15 +204,22 @@ class Pipeline:
                 return verdict
         return None
 
-    def answered(self, view: ChatRequest, answer: Answer) -> None:
-        """Tell the prefilters what the backend answered (a result cache stores it), off the request's path."""
+    def listeners(self, view: ChatRequest) -> list[Prefilter]:
+        """The prefilters that want the answer to this request: only for them is it kept (up to a bound)."""
+        wanting = []
         for plugin in self.prefilters:
-            self.spawn(_quietly(plugin.answered(view, answer), plugin.name))
+            try:
+                if plugin.wants_answer(view):
+                    wanting.append(plugin)
+            except Exception:
+                log.exception("plugin_failed plugin=%s hook=wants_answer", plugin.name)
+        return wanting
 
-    def client_key(self, request: Request) -> str | None:
-        if not self.settings.api_keys:
-            return None
-        return bearer_token(request.headers.get("authorization", ""))
+    def answered(self, view: ChatRequest, answer: Answer, listeners: Sequence[Prefilter]) -> None:
+        """Tell the prefilters that want it what the backend answered (a result cache stores it), off the
+        request's path."""
+        for plugin in listeners:
+            self.spawn(_quietly(plugin.answered(view, answer), plugin.name))
 
     # ---- plumbing ----
 
