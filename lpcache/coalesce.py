@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 from collections.abc import AsyncIterator, Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
+
+log = logging.getLogger("lpcache.coalesce")
 
 _NOT_IN_KEY = ("stream", "stream_options")  # how the answer is delivered, not what it says
 
@@ -306,6 +309,16 @@ def completion_to_sse(doc: dict[str, Any]) -> bytes:
     return b"".join(_sse_event(event) for event in roles + contents + ends) + b"data: [DONE]\n\n"
 
 
+class Watch(Protocol):
+    """What the leader's client watch (`relay.ClientWatch`) offers: whether the client left, whether its work is to
+    go on without it (`stay`), and a way to stop that work."""
+
+    gone: bool
+    stay: Callable[[], bool] | None
+
+    def stop_work(self) -> None: ...
+
+
 class Coalescer:
     """The running groups, by key. A group that is done is no longer joined: the next request starts a new one."""
 
@@ -320,6 +333,24 @@ class Coalescer:
             return group, False
         group = self._groups[key] = Group(key, stream)
         return group, True
+
+    def lead(self, group: Group, watch: Watch) -> None:
+        """The leader's work outlives its client while followers wait for the answer: when the client leaves, the
+        work goes on if any follower is there; when the last follower leaves a leader whose client is gone, it
+        stops (the backend call is closed, the slot freed). A group whose work stops is joined no more."""
+        def stay() -> bool:
+            if group.followers > 0:
+                log.info("coalesce_leader_left followers=%d: the answer is read on for them", group.followers)
+                return True
+            self.close(group)
+            return False
+
+        def alone() -> None:
+            if watch.gone:
+                self.close(group)
+                watch.stop_work()
+
+        watch.stay, group.on_alone = stay, alone
 
     def close(self, group: Group) -> None:
         """Called by the leader when done, or when it stops (its client and every follower gone): no request joins

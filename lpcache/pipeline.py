@@ -24,12 +24,12 @@ from .attempts import Attempts, Crew
 from .backends import Backend
 from .cache_files import Limits
 from .chat_request import ChatCall
-from .coalesce import Coalescer, Group, coalesce_key
+from .coalesce import Coalescer, coalesce_key
 from .config import Settings
 from .errors import ClientGone, ProxyError
 from .guard import client_identity, read_body, shown_headers
 from .index import MetaIndex
-from .plugins.base import Answer, ChatRequest, Prefilter, Reject, Serve
+from .plugins.base import Answer, ChatRequest, Prefilter, Reject, Serve, answer_wanted_by
 from .prefix import Prompt, raw_prefix
 from .record import Observer, RequestRecord
 from .relay import ClientWatch, FollowerRelay, JsonRelay, PassThrough, ServedRelay, SseRelay
@@ -102,7 +102,7 @@ class Pipeline:
             served = await self.prefilter(view, record)
             if served is not None:
                 return ServedRelay(served, record, self.notify, self.spawn, view)
-            listeners = self.listeners(view)
+            listeners = answer_wanted_by(self.prefilters, view)
         want = self.session_cache(request, prompt, body["messages"], record)
         if call.big:
             body["cache_prompt"] = True
@@ -117,7 +117,7 @@ class Pipeline:
                 record.coalesced = True
                 return FollowerRelay(group, call.stream, record, watch, self.notify)
             record.coalesced = False
-            self.lead(group, watch)
+            self.coalescer.lead(group, watch)
         # With client keys, Authorization is lpcache's own; without, it goes on to llama-server as it came.
         client_auth = None if self.settings.api_keys else request.headers.get("authorization")
         attempts = Attempts(self.crew, body, prompt, call.big, record, client_auth,
@@ -146,24 +146,6 @@ class Pipeline:
         if call.stream:
             return SseRelay(attempts, record, watch, self.settings.stream_queue_size, started)
         return JsonRelay(attempts, record, watch)
-
-    def lead(self, group: Group, watch: ClientWatch) -> None:
-        """The leader's work outlives its client while followers wait for the answer: when the client leaves, the
-        work goes on if any follower is there; when the last follower leaves a leader whose client is gone, it
-        stops (the backend call is closed and the slot freed). A group whose work stops is joined no more."""
-        def stay() -> bool:
-            if group.followers > 0:
-                log.info("coalesce_leader_left followers=%d: the answer is read on for them", group.followers)
-                return True
-            self.coalescer.close(group)
-            return False
-
-        def alone() -> None:
-            if watch.gone:
-                self.coalescer.close(group)
-                watch.stop_work()
-
-        watch.stay, group.on_alone = stay, alone
 
     def session_cache(self, request: Request, prompt: Prompt, messages: list[Any],
                       record: RequestRecord) -> Content | None:
@@ -203,17 +185,6 @@ class Pipeline:
                 log.info("prefilter_serve plugin=%s key=%s", plugin.name, view.key[:16])
                 return verdict
         return None
-
-    def listeners(self, view: ChatRequest) -> list[Prefilter]:
-        """The prefilters that want the answer to this request: only for them is it kept (up to a bound)."""
-        wanting = []
-        for plugin in self.prefilters:
-            try:
-                if plugin.wants_answer(view):
-                    wanting.append(plugin)
-            except Exception:
-                log.exception("plugin_failed plugin=%s hook=wants_answer", plugin.name)
-        return wanting
 
     def answered(self, view: ChatRequest, answer: Answer, listeners: Sequence[Prefilter]) -> None:
         """Tell the prefilters that want it what the backend answered (a result cache stores it), off the

@@ -14,11 +14,14 @@ A plugin is a plain class named by `name`, built from its spec's `params` once a
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..errors import LpcacheError
+
+log = logging.getLogger("lpcache.plugins")
 
 
 class PluginError(LpcacheError):
@@ -115,6 +118,18 @@ class Prefilter(Plugin):
 
     async def answered(self, request: ChatRequest, answer: Answer) -> None:
         return None
+
+
+def answer_wanted_by(prefilters: Sequence[Prefilter], request: ChatRequest) -> list[Prefilter]:
+    """The prefilters that want the answer to `request` (one that fails to say is left out, logged)."""
+    wanting = []
+    for plugin in prefilters:
+        try:
+            if plugin.wants_answer(request):
+                wanting.append(plugin)
+        except Exception:
+            log.exception("plugin_failed plugin=%s hook=wants_answer", plugin.name)
+    return wanting
 
 
 class Observer(Plugin):
