@@ -200,8 +200,9 @@ def test_followers_get_the_whole_answer_when_the_leader_leaves(start_backend: An
                                                                point: str) -> None:
     # before_first_byte: the backend is still reading the prompt; mid_json: it generates a JSON answer (nothing
     # reaches a JSON client before the end); mid_sse: the leader's client already has some events.
-    backend = start_backend(**({"prefill_ms_per_token": 60} if point == "before_first_byte" else
-                               {"gen_ms_per_token": 40}))
+    # (slow enough that the followers join and the test looks at the leader's socket well before the answer ends)
+    backend = start_backend(**({"prefill_ms_per_token": 200} if point == "before_first_byte" else
+                               {"gen_ms_per_token": 100}))
     proxy = start_proxy(backend, coalesce_requests=True)
     leader = raw_post(proxy, LONG | {"stream": point != "mid_json"})
     until(lambda: len(proxy.pipeline.coalescer) == 1)
@@ -299,7 +300,7 @@ def test_two_tenants_never_share_an_answer(start_backend: Any, start_proxy: Any,
 
 @pytest.mark.parametrize("same_session", [True, False])
 def test_the_session_is_part_of_the_group(start_backend: Any, start_proxy: Any, same_session: bool) -> None:
-    backend = start_backend(gen_ms_per_token=30)
+    backend = start_backend(gen_ms_per_token=50)
     proxy = start_proxy(backend, coalesce_requests=True)
     sessions = ["a" * 32, "a" * 32 if same_session else "b" * 32]
     with ThreadPoolExecutor(2) as pool:
