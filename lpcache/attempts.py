@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +26,7 @@ from .backends import Backend
 from .coalesce import Coalescer, Group, aggregate_sse
 from .errors import BackendError, BackendUnreachable, ProxyError
 from .llama import Upstream
-from .plugins.base import Answer, ChatRequest
+from .plugins.base import MAX_ANSWER_BYTES, Answer, ChatRequest, Prefilter
 from .prefix import Prompt
 from .record import RequestRecord
 from .relay import Headers
@@ -52,7 +52,7 @@ class Crew:
     truth: SlotTruth
     coalescer: Coalescer
     request_timeout: float
-    answered: Callable[[ChatRequest, Answer], None]
+    answered: Callable[[ChatRequest, Answer, Sequence[Prefilter]], None]
     notify: Callable[[RequestRecord], None]
     spawn: Callable[[Coroutine[Any, Any, Any]], None]
 
@@ -62,7 +62,8 @@ class Attempts:
 
     def __init__(self, crew: Crew, body: dict[str, Any], prompt: Prompt, big: bool, record: RequestRecord,
                  client_auth: str | None, view: ChatRequest | None = None, want: Content | None = None) -> None:
-        self.view = view                    # when prefilters run: they are told the answer
+        self.view = view                    # when a prefilter wants the answer (`listeners`): it is kept for them
+        self.listeners: Sequence[Prefilter] = ()
         self.collected: bytearray | None = bytearray() if view is not None else None
         self.p = crew
         self.body, self.prompt, self.big, self.record, self.client_auth = body, prompt, big, record, client_auth
@@ -107,7 +108,10 @@ class Attempts:
         if self.group is not None:
             self.group.feed(chunk)
         if self.collected is not None:
-            self.collected += chunk
+            if len(self.collected) + len(chunk) > MAX_ANSWER_BYTES:
+                self.collected = None   # too big to keep: streamed on, not told to the prefilters
+            else:
+                self.collected += chunk
 
     def end_group(self, error: dict[str, Any] | None) -> None:
         """Tell the followers the answer is complete (error None) or failed, and let a new group start."""
@@ -127,18 +131,16 @@ class Attempts:
         if self.choice is not None:
             self.choice.slot.phase = "save"
 
-    def followers(self) -> int:
-        return self.group.followers if self.group is not None else 0
-
     def finish(self, delivered: bool, complete: bool | None = None) -> None:
         """The answer is over (delivered whole, or the client left, or it broke): save, release, tell observers.
         `complete`: the backend's answer was read whole (for coalesced followers), even if the client left."""
-        self.end_group(None if (delivered if complete is None else complete) else {"error": {
+        complete = delivered if complete is None else complete
+        self.end_group(None if complete else {"error": {
             "message": f"the shared answer did not complete ({self.record.reason or 'failed'})",
             "type": "backend_error", "code": 502}})
-        if delivered and self.view is not None and self.collected is not None:
-            self.p.answered(self.view, _answer(bytes(self.collected), self.view.stream))
-            self.collected = None
+        if complete and self.view is not None and self.collected is not None:
+            self.p.answered(self.view, _answer(bytes(self.collected), self.view.stream), self.listeners)
+        self.collected = None
         lease, backend = self.lease, self.backend
         if lease is None or lease.returned or backend is None:
             self.p.notify(self.record)

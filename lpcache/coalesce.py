@@ -4,24 +4,38 @@ The first request of a key is the leader: it calls the backend and feeds the ans
 followers: they read the same answer, converted when their mode (JSON or SSE) differs from the leader's. A group
 keeps one list of chunks and each reader its own index into it, so a late follower still gets the whole answer from
 the first byte, readers never copy chunks, and memory is bounded by the size of one answer.
+
+Answers are shared only between requests that would each have got the same one alone: the key holds who asks (a
+digest of the client's key) and the session besides the body. Followers outlive their leader: when the leader's client
+leaves, the leader reads on for the followers still there; when the last of them leaves too, the work stops.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import AsyncIterator, Iterable
-from typing import Any
+import logging
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any, Protocol
 
 import orjson
+
+log = logging.getLogger("lpcache.coalesce")
 
 _NOT_IN_KEY = ("stream", "stream_options")  # how the answer is delivered, not what it says
 
 
-def coalesce_key(body: dict[str, Any]) -> str:
-    """SHA-256 of the canonical JSON of everything that shapes the answer's content."""
+def coalesce_key(body: dict[str, Any], client: str | None = None, session: str | None = None) -> str | None:
+    """SHA-256 of the canonical JSON of everything that shapes the answer's content, of who asks (`client`: a digest
+    of the client's key, never the key) and of its session (X-Session-ID). None when the body cannot be written
+    canonically (nested deeper than orjson writes): such a request is not coalesced, and fails alone as it would
+    without coalescing."""
     kept = {k: v for k, v in body.items() if k not in _NOT_IN_KEY}
-    return hashlib.sha256(orjson.dumps(kept, option=orjson.OPT_SORT_KEYS)).hexdigest()
+    try:
+        raw = orjson.dumps({"body": kept, "client": client, "session": session}, option=orjson.OPT_SORT_KEYS)
+    except TypeError:   # orjson.JSONEncodeError: it reads 1024 levels of nesting but writes only 254
+        return None
+    return hashlib.sha256(raw).hexdigest()
 
 
 def _envelope(error: dict[str, Any]) -> dict[str, Any]:
@@ -37,13 +51,16 @@ class Group:
 
     The leader must end every group with `finish` or `fail` (both are no-ops once the group is done, so a `fail` in
     a `finally` is safe); followers wait on it. A non-200 body should be fed right before `finish`, with no await in
-    between, so streaming followers never see its bytes as SSE.
+    between, so streaming followers never see its bytes as SSE. `followers` counts the followers still there: each
+    one calls `leave` when it is done or gone; `on_alone` is called when the last one leaves an unfinished group
+    (the leader then stops the work if its own client is gone too).
     """
 
     def __init__(self, key: str, stream: bool) -> None:
         self.key = key
         self.stream = stream
         self.followers = 0
+        self.on_alone: Callable[[], None] | None = None
         self.headers: list[tuple[bytes, bytes]] = []
         self._chunks: list[bytes] = []
         self._status: int | None = None
@@ -62,6 +79,12 @@ class Group:
     @property
     def done(self) -> bool:
         return self._status is not None or self._error is not None
+
+    def leave(self) -> None:
+        """A follower is done with the answer, or its client left."""
+        self.followers = max(0, self.followers - 1)
+        if self.followers == 0 and not self.done and self.on_alone is not None:
+            self.on_alone()
 
     def _wake(self) -> None:
         self._changed.set()
@@ -286,6 +309,16 @@ def completion_to_sse(doc: dict[str, Any]) -> bytes:
     return b"".join(_sse_event(event) for event in roles + contents + ends) + b"data: [DONE]\n\n"
 
 
+class Watch(Protocol):
+    """What the leader's client watch (`relay.ClientWatch`) offers: whether the client left, whether its work is to
+    go on without it (`stay`), and a way to stop that work."""
+
+    gone: bool
+    stay: Callable[[], bool] | None
+
+    def stop_work(self) -> None: ...
+
+
 class Coalescer:
     """The running groups, by key. A group that is done is no longer joined: the next request starts a new one."""
 
@@ -301,8 +334,27 @@ class Coalescer:
         group = self._groups[key] = Group(key, stream)
         return group, True
 
+    def lead(self, group: Group, watch: Watch) -> None:
+        """The leader's work outlives its client while followers wait for the answer: when the client leaves, the
+        work goes on if any follower is there; when the last follower leaves a leader whose client is gone, it
+        stops (the backend call is closed, the slot freed). A group whose work stops is joined no more."""
+        def stay() -> bool:
+            if group.followers > 0:
+                log.info("coalesce_leader_left followers=%d: the answer is read on for them", group.followers)
+                return True
+            self.close(group)
+            return False
+
+        def alone() -> None:
+            if watch.gone:
+                self.close(group)
+                watch.stop_work()
+
+        watch.stay, group.on_alone = stay, alone
+
     def close(self, group: Group) -> None:
-        """Called by the leader when done; leaves a newer group of the same key alone."""
+        """Called by the leader when done, or when it stops (its client and every follower gone): no request joins
+        the group after this. Leaves a newer group of the same key alone."""
         if self._groups.get(group.key) is group:
             del self._groups[group.key]
 

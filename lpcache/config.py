@@ -323,8 +323,8 @@ OPTIONS: tuple[Option, ...] = (
            "otherwise: they would change slots behind lpcache's back). GET /slots is always passed on.",
            metavar="BOOL"),
     Option("COALESCE_REQUESTS", "--coalesce-requests", _bool, "false",
-           "Concurrent identical chat requests (same messages, model and generation parameters) share one "
-           "backend call.", metavar="BOOL"),
+           "Concurrent identical chat requests (same messages, model and generation parameters, same client key "
+           "or Authorization, same X-Session-ID) share one backend call.", metavar="BOOL"),
     Option("LPCACHE_API_KEYS", "--api-keys", _keys, None,
            "Client keys: a comma-separated list, or @FILE with one key per line. When set, every request but "
            "GET /health needs Authorization: Bearer <key> (else 401).", metavar="KEYS"),

@@ -1,12 +1,14 @@
 """The gate: client keys (plain ASGI middleware, before any route) and the body size limit (while reading it).
 
-Both answer in OpenAI's error shape. Keys are compared in constant time and never logged.
+Both answer in OpenAI's error shape. Keys are compared in constant time and never logged; past the gate a client's
+key is kept only as a digest (its identity).
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -20,6 +22,29 @@ def bearer_token(authorization: str) -> str | None:
     """The token of an `Authorization: Bearer <token>` header value, else None."""
     scheme, _, token = authorization.partition(" ")
     return token.strip() if scheme.lower() == "bearer" else None
+
+
+_SECRET_HEADERS = frozenset({"authorization", "proxy-authorization"})
+
+
+def digest(secret: str) -> str:
+    """A secret as lpcache keeps it in memory keys and hands it to plugins: a SHA-256 digest, never the secret."""
+    return hashlib.sha256(b"lpcache-client\x00" + secret.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def client_identity(authorization: str | None, keys_held: bool) -> str | None:
+    """Who asks, as a digest: with client keys (`keys_held`), of the lpcache key the client showed; without, of the
+    Authorization header as it goes on to llama-server (None without one). Two requests share an answer only when
+    their identities are equal, so a request never gets an answer it would not have got alone."""
+    if not authorization:
+        return None
+    token = bearer_token(authorization) if keys_held else authorization
+    return digest(token) if token is not None else None
+
+
+def shown_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """The request headers plugins see: without credentials (those count through `client_identity`)."""
+    return {k: v for k, v in headers.items() if k.lower() not in _SECRET_HEADERS}
 
 
 async def send_error(send: Send, err: ProxyError, extra: Sequence[tuple[bytes, bytes]] = ()) -> int:

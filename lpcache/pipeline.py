@@ -27,9 +27,9 @@ from .chat_request import ChatCall
 from .coalesce import Coalescer, coalesce_key
 from .config import Settings
 from .errors import ClientGone, ProxyError
-from .guard import bearer_token, read_body
+from .guard import client_identity, read_body, shown_headers
 from .index import MetaIndex
-from .plugins.base import Answer, ChatRequest, Prefilter, Reject, Serve
+from .plugins.base import Answer, ChatRequest, Prefilter, Reject, Serve, answer_wanted_by
 from .prefix import Prompt, raw_prefix
 from .record import Observer, RequestRecord
 from .relay import ClientWatch, FollowerRelay, JsonRelay, PassThrough, ServedRelay, SseRelay
@@ -91,14 +91,18 @@ class Pipeline:
         router = await self.routers.unknown(call.model)
         if router is not None:   # no router serves that model: it says so itself, and nothing is made for it
             return await router_says(router, request, body, record, self.notify)
-        view = None
+        # Who asks: answers are shared (coalescing, the result cache) only within one client and one session.
+        client = client_identity(request.headers.get("authorization"), bool(self.settings.api_keys))
+        session = request.headers.get("x-session-id")
+        view, listeners = None, []
         if self.prefilters:
             view = ChatRequest(body=dict(body), key=prompt.key, model=call.model, stream=call.stream,
-                               text=raw_prefix(body["messages"]), headers=dict(request.headers),
-                               client_key=self.client_key(request))
+                               text=raw_prefix(body["messages"]), headers=shown_headers(request.headers),
+                               client_key=client, session=session)
             served = await self.prefilter(view, record)
             if served is not None:
                 return ServedRelay(served, record, self.notify, self.spawn, view)
+            listeners = answer_wanted_by(self.prefilters, view)
         want = self.session_cache(request, prompt, body["messages"], record)
         if call.big:
             body["cache_prompt"] = True
@@ -106,15 +110,19 @@ class Pipeline:
         # From here on a client that leaves cancels the work: waiting for a slot, restoring, or generating.
         watch = ClientWatch(request.receive)
         group = None
-        if self.settings.coalesce_requests:
-            group, leader = self.coalescer.join(coalesce_key(body), call.stream)
+        key = coalesce_key(body, client, session) if self.settings.coalesce_requests else None
+        if key is not None:
+            group, leader = self.coalescer.join(key, call.stream)
             if not leader:
                 record.coalesced = True
                 return FollowerRelay(group, call.stream, record, watch, self.notify)
             record.coalesced = False
+            self.coalescer.lead(group, watch)
         # With client keys, Authorization is lpcache's own; without, it goes on to llama-server as it came.
         client_auth = None if self.settings.api_keys else request.headers.get("authorization")
-        attempts = Attempts(self.crew, body, prompt, call.big, record, client_auth, view, want)
+        attempts = Attempts(self.crew, body, prompt, call.big, record, client_auth,
+                            view if listeners else None, want)
+        attempts.listeners = listeners
         attempts.group = group
         try:
             await attempts.start()
@@ -179,15 +187,11 @@ class Pipeline:
                 return verdict
         return None
 
-    def answered(self, view: ChatRequest, answer: Answer) -> None:
-        """Tell the prefilters what the backend answered (a result cache stores it), off the request's path."""
-        for plugin in self.prefilters:
+    def answered(self, view: ChatRequest, answer: Answer, listeners: Sequence[Prefilter]) -> None:
+        """Tell the prefilters that want it what the backend answered (a result cache stores it), off the
+        request's path."""
+        for plugin in listeners:
             self.spawn(_quietly(plugin.answered(view, answer), plugin.name))
-
-    def client_key(self, request: Request) -> str | None:
-        if not self.settings.api_keys:
-            return None
-        return bearer_token(request.headers.get("authorization", ""))
 
     # ---- plumbing ----
 

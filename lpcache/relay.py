@@ -43,10 +43,14 @@ def error_body(err: ProxyError) -> bytes:
 class ClientWatch:
     """Watches the ASGI receive channel; when the client goes away, it cancels the task sending the answer
     (cheaper than racing every chunk against a disconnect event). `left()` turns that cancellation back into a
-    plain "the client is gone"."""
+    plain "the client is gone".
+
+    `stay`, when set, is asked at that moment: True means others wait for the same answer (coalesced followers), so
+    the work goes on without the client (what `send` would send is dropped) until `stop_work` is called."""
 
     def __init__(self, receive: Receive) -> None:
         self.gone = False
+        self.stay: Callable[[], bool] | None = None
         self._main = asyncio.current_task()
         self._task = asyncio.ensure_future(self._watch(receive))
 
@@ -55,9 +59,21 @@ class ClientWatch:
             message: Message = await receive()
             if message["type"] == "http.disconnect":
                 self.gone = True
-                if self._main is not None:
-                    self._main.cancel()
+                if self.stay is None or not self.stay():
+                    self.stop_work()
                 return
+
+    def stop_work(self) -> None:
+        """Stop the work of a client that is gone (at once, or once nobody else waits for its answer)."""
+        if self.gone and self._main is not None:
+            self._main.cancel()
+
+    def guard(self, send: Send) -> Send:
+        """`send`, dropping what would go to a client that is gone (the work went on for others)."""
+        async def guarded(message: Message) -> None:
+            if not self.gone:
+                await send(message)
+        return guarded
 
     def left(self) -> bool:
         """Call in `except CancelledError`: True (and the cancellation undone) when the client left."""
@@ -82,8 +98,6 @@ class Source(Protocol):
 
     def tee(self, chunk: bytes) -> None: ...
 
-    def followers(self) -> int: ...
-
     def generated(self) -> None: ...
 
     def finish(self, delivered: bool, complete: bool | None = None) -> None: ...
@@ -98,8 +112,9 @@ class JsonRelay:
         self.watch = watch
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        delivered = False
+        delivered = complete = False
         watch = self.watch
+        send = watch.guard(send)
         try:
             while True:
                 upstream = self.source.upstream
@@ -129,7 +144,8 @@ class JsonRelay:
                         "headers": [*_headers(b"application/json"), (b"content-length", str(len(body)).encode()),
                                     *self.source.headers()]})
             await send({"type": "http.response.body", "body": body, "more_body": False})
-            delivered = status == 200
+            complete = status == 200
+            delivered = complete and not _left(watch, self.record)
         except asyncio.CancelledError:
             if not watch.left():
                 raise
@@ -142,8 +158,8 @@ class JsonRelay:
             # An answer read whole leaves a reusable connection; otherwise close it, which also tells
             # llama-server to stop generating.
             if self.source.upstream is not None:
-                self.source.upstream.release() if delivered else self.source.upstream.close()
-            self.source.finish(delivered)
+                self.source.upstream.release() if complete else self.source.upstream.close()
+            self.source.finish(delivered, complete)
 
 
 class SseRelay:
@@ -197,6 +213,7 @@ class SseRelay:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         delivered = False
         watch = self.watch
+        send = watch.guard(send)
         reader: asyncio.Future[None] | None = None
         started = complete = False
         try:
@@ -228,14 +245,12 @@ class SseRelay:
                 await send({"type": "http.response.body", "body": event, "more_body": False})
                 return
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-            delivered = True
+            complete = True
+            delivered = not _left(watch, self.record)
         except asyncio.CancelledError:
             if not watch.left():
                 raise
             self.record.reason = "client_disconnected"
-            if started and self.source.followers():
-                # Coalesced requests wait for this answer: read it to the end for them.
-                complete = not isinstance(await self._pump(None, queue, await queue.get()), BaseException)
         except ProxyError as e:   # every try failed before a byte went out
             self.record.reason = self.record.reason or "backend_unreachable"
             await _send_error(send, e, self.record)
@@ -246,16 +261,15 @@ class SseRelay:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await reader
             if self.source.upstream is not None:
-                self.source.upstream.release() if delivered or complete else self.source.upstream.close()
-            self.source.finish(delivered, complete or delivered)
+                self.source.upstream.release() if complete else self.source.upstream.close()
+            self.source.finish(delivered, complete)
 
-    async def _pump(self, send: Send | None, queue: asyncio.Queue[object], item: object) -> object:
-        """Pass chunks on (to the followers, and to the client unless it left) until the end marker, returned."""
+    async def _pump(self, send: Send, queue: asyncio.Queue[object], item: object) -> object:
+        """Pass chunks on (to the followers, and to the client) until the end marker, returned."""
         while isinstance(item, bytes):
             self.source.tee(item)
-            if send is not None:
-                self.record.bytes_out += len(item)
-                await send({"type": "http.response.body", "body": item, "more_body": True})
+            self.record.bytes_out += len(item)
+            await send({"type": "http.response.body", "body": item, "more_body": True})
             item = await queue.get()
         return item
 
@@ -296,6 +310,7 @@ class FollowerRelay:
             self.record.reason = "client_disconnected"
         finally:
             self.watch.stop()
+            self.group.leave()
             self.done(self.record)
 
 
@@ -318,6 +333,13 @@ class ServedRelay:
             if self.served.cleanup is not None:
                 self.spawn(self.served.cleanup.run(self.view))
             self.done(self.record)
+
+
+def _left(watch: ClientWatch, record: RequestRecord) -> bool:
+    """Whether the client left while the answer was read on for coalesced followers (the record says so)."""
+    if watch.gone:
+        record.reason = "client_disconnected"
+    return watch.gone
 
 
 async def _send_error(send: Send, err: ProxyError, record: RequestRecord) -> None:

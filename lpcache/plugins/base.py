@@ -6,7 +6,7 @@ A plugin is a plain class named by `name`, built from its spec's `params` once a
 - `Prefilter.check(request)`: before coalescing, slot choice and dispatch; returns None (accept), a `Reject`, or a
   `Serve` (an answer given without the backend, with an optional post-serve cleanup).
 - `Prefilter.answered(request, answer)`: after the backend answered a request this prefilter accepted (for a
-  result cache to store it).
+  result cache to store it), when `Prefilter.wants_answer(request)` said so (lpcache keeps the answer only then).
 - `Observer.finished(record)`: once per finished request (success, error, rejection, client gone).
 - `Routes.routes()`: extra HTTP routes (the dashboard's), mounted before lpcache's catch-all forwarding.
 - `start()` / `stop()`: at lpcache's start and stop.
@@ -14,11 +14,14 @@ A plugin is a plain class named by `name`, built from its spec's `params` once a
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..errors import LpcacheError
+
+log = logging.getLogger("lpcache.plugins")
 
 
 class PluginError(LpcacheError):
@@ -34,8 +37,11 @@ class ChatRequest:
     model: str
     stream: bool
     text: str                          # the message contents joined by newlines (roles stripped)
-    headers: Mapping[str, str]         # request headers, lower-case names
-    client_key: str | None = None      # the client's lpcache API key, when LPCACHE_API_KEYS is set
+    headers: Mapping[str, str]         # request headers, lower-case names, without Authorization (see client_key)
+    # Who asks, as a digest (never the key itself): of the client's lpcache key when LPCACHE_API_KEYS is set, else of
+    # the Authorization header that goes on to llama-server; None without one.
+    client_key: str | None = None
+    session: str | None = None         # the X-Session-ID header, as sent
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,8 @@ class Answer:
 
 Verdict = Reject | Serve | None
 
+MAX_ANSWER_BYTES = 16 * 1024 * 1024  # an answer (JSON body, or SSE bytes) larger than this is not passed to `answered`
+
 
 class PostCleanup:
     """Runs after a served answer was sent (e.g. RemoveAfterServe deletes a one-shot cached entry)."""
@@ -102,8 +110,26 @@ class Prefilter(Plugin):
     async def check(self, request: ChatRequest) -> Verdict:
         return None
 
+    def wants_answer(self, request: ChatRequest) -> bool:
+        """Whether `answered` is to be told the answer to `request`: lpcache keeps a copy of an answer (up to
+        `MAX_ANSWER_BYTES`) only when a prefilter wants it, and streams it on without one otherwise. By default,
+        when the plugin overrides `answered`."""
+        return type(self).answered is not Prefilter.answered
+
     async def answered(self, request: ChatRequest, answer: Answer) -> None:
         return None
+
+
+def answer_wanted_by(prefilters: Sequence[Prefilter], request: ChatRequest) -> list[Prefilter]:
+    """The prefilters that want the answer to `request` (one that fails to say is left out, logged)."""
+    wanting = []
+    for plugin in prefilters:
+        try:
+            if plugin.wants_answer(request):
+                wanting.append(plugin)
+        except Exception:
+            log.exception("plugin_failed plugin=%s hook=wants_answer", plugin.name)
+    return wanting
 
 
 class Observer(Plugin):

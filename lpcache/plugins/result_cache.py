@@ -2,17 +2,24 @@
 
 An entry is `{dir}/{entry_key}.json` holding `{"created": unix_time, "completion": <chat.completion>}`. The entry
 key is the SHA-256 of the canonical JSON of what shapes the answer: the body without `stream`/`stream_options`, the
-resolved model and the client's API key (one client never gets another's answer). It is not lpcache's prefix cache
-key. Results are stored by `answered` after a successful backend call; streaming requests are neither served nor
-stored unless `cache_streaming` (then the aggregated completion is stored and hits are served to them as SSE).
+resolved model, who asks (`client_key`: a digest of the client's lpcache key, or of the Authorization header that
+goes on to llama-server when lpcache holds no client keys) and the X-Session-ID: one client never gets another's
+answer. It is not lpcache's prefix cache key. Results are stored by `answered` after a successful backend call;
+streaming requests are neither served nor stored unless `cache_streaming` (then the aggregated completion is stored
+and hits are served to them as SSE).
+
+Every `sweep_secs` the folder is swept: expired entries are deleted whether or not their request comes back, and
+past `max_entries` the oldest ones go, so the folder stays bounded however many distinct requests clients send.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
+import re
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
@@ -32,6 +39,8 @@ def entry_key(request: ChatRequest) -> str:
     """SHA-256 of the canonical JSON of everything that changes the answer to `request`."""
     body = {k: v for k, v in request.body.items() if k not in _NOT_IN_KEY}
     doc = {"body": body, "model": request.model, "client_key": request.client_key}
+    if request.session is not None:   # (only when set: the keys of requests without a session are unchanged)
+        doc["session"] = request.session
     return hashlib.sha256(orjson.dumps(doc, option=orjson.OPT_SORT_KEYS)).hexdigest()
 
 
@@ -41,13 +50,33 @@ def no_cache(headers: Mapping[str, str]) -> bool:
     return any(part.split("=", 1)[0].strip().lower() == "no-cache" for part in value.split(","))
 
 
-def _unlink(path: str) -> None:
+def _unlink(path: str) -> bool:
     try:
         os.unlink(path)
+        return True
     except FileNotFoundError:
-        pass
+        return False
     except OSError as e:
         log.warning("result cache: cannot delete %s: %s", path, e)
+        return False
+
+
+_ENTRY_NAME = re.compile(r"[0-9a-f]{64}\.json")
+
+
+def _created(path: str) -> float | None:
+    """An entry's creation time, or None when it is corrupt. One that cannot be read (or is gone) is left alone."""
+    try:
+        with open(path, "rb") as f:
+            doc = orjson.loads(f.read())
+    except OSError:
+        return float("inf")
+    except orjson.JSONDecodeError:
+        return None
+    created = doc.get("created") if isinstance(doc, dict) else None
+    if not isinstance(created, int | float) or isinstance(created, bool) or not isinstance(doc.get("completion"), dict):
+        return None
+    return float(created)
 
 
 class RemoveAfterServe(PostCleanup):
@@ -78,14 +107,59 @@ class ResultCachePrefilter(Prefilter):
         self.cache_streaming: bool = param(p, "cache_streaming", bool, False, plugin=self.name)
         self.cache_control: bool = param(p, "cache_control", bool, False, plugin=self.name)
         self.remove_after_serve: bool = param(p, "remove_after_serve", bool, False, plugin=self.name)
+        self.sweep_secs: float = param(p, "sweep_secs", (int, float), 60, plugin=self.name, check=lambda v: v > 0,
+                                       rule="a number > 0")
+        self.max_entries: int = param(p, "max_entries", int, 10000, plugin=self.name, check=lambda v: v >= 0,
+                                      rule="an integer >= 0")
         self.clock: Callable[[], float] = time.time  # replaced by tests
         self._storing: set[str] = set()
+        self._sweeper: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         try:
             await asyncio.to_thread(os.makedirs, self.dir, exist_ok=True)
         except OSError as e:
             raise PluginError(f"plugin {self.name!r}: parameter 'dir': cannot create {self.dir!r}: {e}") from e
+        self._sweeper = asyncio.create_task(self._sweep_every())
+
+    async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+            self._sweeper = None
+
+    async def _sweep_every(self) -> None:
+        while True:
+            await asyncio.sleep(self.sweep_secs)
+            try:
+                removed = await asyncio.to_thread(self.sweep)
+            except Exception as e:  # a folder that cannot be read now may be readable at the next sweep
+                log.warning("result cache: sweep failed: %s", e)
+                continue
+            if removed:
+                log.info("result_cache_swept removed=%d", removed)
+
+    def sweep(self) -> int:
+        """Delete the expired and corrupt entries, then the oldest past `max_entries`; returns how many went. Only
+        entry files (`<64 hex digits>.json`) are looked at."""
+        now, kept, removed = self.clock(), [], 0
+        with os.scandir(self.dir) as found:
+            entries = [e.path for e in found if _ENTRY_NAME.fullmatch(e.name) and e.is_file(follow_symlinks=False)]
+        for path in entries:
+            created = _created(path)
+            if created is None or (self.ttl_secs > 0 and now - created >= self.ttl_secs):
+                removed += _unlink(path)
+            else:
+                kept.append((created, path))
+        if self.max_entries and len(kept) > self.max_entries:
+            kept.sort()
+            for _, path in kept[:len(kept) - self.max_entries]:
+                removed += _unlink(path)
+        return removed
+
+    def wants_answer(self, request: ChatRequest) -> bool:
+        return self.cache_streaming or not request.stream
 
     def entry_path(self, request: ChatRequest) -> str:
         return os.path.join(self.dir, entry_key(request) + ".json")

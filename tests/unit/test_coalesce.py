@@ -6,6 +6,7 @@ import asyncio
 from typing import Any
 
 import orjson
+import pytest
 
 from lpcache.coalesce import Coalescer, Group, aggregate_sse, coalesce_key, completion_to_sse
 
@@ -76,6 +77,22 @@ def test_key_changes_with_content_parameters() -> None:
     assert coalesce_key(BODY | {"messages": [{"role": "user", "content": "ho"}]}) != base
     assert coalesce_key(BODY | {"max_tokens": 5}) != base
     assert len(base) == 64
+
+
+def test_key_holds_who_asks_and_the_session() -> None:
+    base = coalesce_key(BODY)
+    keys = {base, coalesce_key(BODY, client="a"), coalesce_key(BODY, client="b"),
+            coalesce_key(BODY, session="s1"), coalesce_key(BODY, session="s2"), coalesce_key(BODY, "a", "s1")}
+    assert len(keys) == 6
+    assert coalesce_key(BODY, "a", "s1") == coalesce_key(dict(reversed(BODY.items())), "a", "s1")
+
+
+def test_key_of_a_body_nested_deeper_than_orjson_writes_is_none() -> None:
+    deep: Any = []
+    for _ in range(300):     # orjson reads 1024 levels but writes 254: such a request is not coalesced
+        deep = [deep]
+    assert coalesce_key(BODY | {"x": deep}) is None
+    assert coalesce_key(BODY | {"x": deep}, "a", "s") is None
 
 
 # ---- Group: subscribers ----
@@ -378,3 +395,27 @@ def test_closing_an_old_group_keeps_the_newer_one() -> None:
     assert co.join("k", stream=False) == (new, False)
     co.close(new)
     assert len(co) == 0
+
+
+def test_followers_leave_and_the_last_one_out_calls_on_alone() -> None:
+    co = Coalescer()
+    group, _ = co.join("k", stream=True)
+    calls: list[int] = []
+    group.on_alone = lambda: calls.append(group.followers)
+    for _ in range(2):
+        co.join("k", stream=False)
+    group.leave()
+    assert group.followers == 1 and calls == [] and co.active() == [("k", 1)]
+    group.leave()
+    assert group.followers == 0 and calls == [0]
+
+
+def test_leaving_a_done_group_does_not_call_on_alone() -> None:
+    co = Coalescer()
+    group, _ = co.join("k", stream=True)
+    co.join("k", stream=False)
+    group.on_alone = lambda: pytest.fail("on_alone after the answer was complete")
+    group.finish(200)
+    group.leave()
+    group.leave()            # never below zero
+    assert group.followers == 0

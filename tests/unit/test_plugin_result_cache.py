@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +22,13 @@ COMPLETION = {"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "mo
 
 
 def request(*, stream: bool = False, client_key: str | None = None, headers: dict[str, str] | None = None,
-            **extra: Any) -> ChatRequest:
+            session: str | None = None, **extra: Any) -> ChatRequest:
     body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "capital of France?"}], **extra}
     if stream:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
     return ChatRequest(body=body, key="prefix-key", model="m", stream=stream, text="capital of France?",
-                       headers=headers or {}, client_key=client_key)
+                       headers=headers or {}, client_key=client_key, session=session)
 
 
 def answer(*, stream: bool = False, status: int = 200, completion: Any = COMPLETION) -> Answer:
@@ -184,6 +186,16 @@ async def test_client_keys_do_not_share(tmp_path: Path) -> None:
     assert isinstance(await plugin.check(request(client_key="alice")), Serve)
 
 
+async def test_sessions_do_not_share(tmp_path: Path) -> None:
+    plugin = await make(tmp_path)
+    await plugin.answered(request(session="a" * 32), answer())
+    assert await plugin.check(request(session="b" * 32)) is None
+    assert await plugin.check(request()) is None
+    assert isinstance(await plugin.check(request(session="a" * 32)), Serve)
+    # without a session the key is what it was before sessions counted (stored caches stay valid)
+    assert entry_key(request()) != entry_key(request(session="a" * 32))
+
+
 async def test_generation_params_change_the_entry(tmp_path: Path) -> None:
     plugin = await make(tmp_path)
     await plugin.answered(request(temperature=0.2), answer())
@@ -232,6 +244,8 @@ async def test_start_fails_on_uncreatable_dir(tmp_path: Path) -> None:
     ({"dir": "d", "cache_streaming": "yes"}, "cache_streaming"),
     ({"dir": "d", "cache_control": 1}, "cache_control"),
     ({"dir": "d", "remove_after_serve": "true"}, "remove_after_serve"),
+    ({"dir": "d", "sweep_secs": 0}, "sweep_secs"),
+    ({"dir": "d", "max_entries": -1}, "max_entries"),
 ])
 def test_bad_params(params: dict[str, Any], name: str) -> None:
     with pytest.raises(PluginError) as err:
@@ -243,3 +257,52 @@ def test_defaults(tmp_path: Path) -> None:
     plugin = ResultCachePrefilter({"dir": str(tmp_path)})
     assert (plugin.ttl_secs, plugin.cache_streaming, plugin.cache_control, plugin.remove_after_serve) == (
         300, False, False, False)
+
+
+def test_wants_only_the_answers_it_can_store(tmp_path: Path) -> None:
+    plain = ResultCachePrefilter({"dir": str(tmp_path)})
+    assert plain.wants_answer(request()) and not plain.wants_answer(request(stream=True))
+    assert ResultCachePrefilter({"dir": str(tmp_path), "cache_streaming": True}).wants_answer(request(stream=True))
+
+
+def stored(plugin: ResultCachePrefilter, created: float, n: int) -> str:
+    """An entry written as `answered` writes it, created at `created`."""
+    path = os.path.join(plugin.dir, f"{n:064x}.json")
+    write(path, orjson.dumps({"created": created, "completion": COMPLETION}))
+    return path
+
+
+async def test_sweep_deletes_expired_and_corrupt_entries_without_a_repeat_request(tmp_path: Path) -> None:
+    plugin = await make(tmp_path, ttl_secs=60)
+    stored(plugin, 900.0, 1)
+    fresh = stored(plugin, 990.0, 2)
+    corrupt = os.path.join(plugin.dir, f"{3:064x}.json")
+    write(corrupt, b"{not json")
+    other = os.path.join(plugin.dir, "notes.json")           # not an entry name: never touched
+    write(other, b"{}")
+    assert plugin.sweep() == 2
+    assert files(tmp_path) == sorted(os.path.basename(p) for p in (fresh, other))
+    plugin.clock = lambda: 1050.0
+    assert plugin.sweep() == 1 and files(tmp_path) == ["notes.json"]
+    await plugin.stop()
+
+
+async def test_sweep_keeps_at_most_max_entries_the_newest(tmp_path: Path) -> None:
+    plugin = await make(tmp_path, ttl_secs=0, max_entries=2)
+    paths = [stored(plugin, 100.0 + n, n) for n in range(5)]
+    assert plugin.sweep() == 3
+    assert files(tmp_path) == sorted(os.path.basename(p) for p in paths[3:])
+    await plugin.stop()
+
+
+async def test_the_sweep_runs_by_itself(tmp_path: Path) -> None:
+    plugin = await make(tmp_path, ttl_secs=60, sweep_secs=0.01)
+    await plugin.answered(request(), answer())
+    assert len(files(tmp_path)) == 1
+    plugin.clock = lambda: 2000.0                              # the entry expires; nobody asks for it again
+    deadline = time.monotonic() + 10
+    while files(tmp_path):
+        assert time.monotonic() < deadline, "the sweep did not run"
+        await asyncio.sleep(0.01)
+    await plugin.stop()
+    assert plugin._sweeper is None

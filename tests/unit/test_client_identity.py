@@ -1,0 +1,61 @@
+"""Who asks: client identities are digests, prefilters see no credentials and keep answers only when they want them."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from lpcache.attempts import Attempts
+from lpcache.guard import client_identity, shown_headers
+from lpcache.plugins.base import MAX_ANSWER_BYTES, Answer, ChatRequest, Prefilter
+from lpcache.plugins.keyword import KeywordPrefilter
+
+
+def test_identity_with_client_keys_is_a_digest_of_the_key() -> None:
+    one = client_identity("Bearer key-one", keys_held=True)
+    assert one is not None and "key-one" not in one and len(one) == 32
+    assert client_identity("bearer  key-one", keys_held=True) == one          # the same key, however written
+    assert client_identity("Bearer key-two", keys_held=True) not in (None, one)
+    assert client_identity(None, keys_held=True) is None
+
+
+def test_identity_without_client_keys_is_a_digest_of_the_header_that_goes_on() -> None:
+    right, wrong = client_identity("Bearer right", False), client_identity("Bearer wrong", False)
+    assert right is not None and wrong is not None and right != wrong and "right" not in right
+    assert client_identity("Basic dTpw", False) not in (None, right)
+    assert client_identity(None, False) is None and client_identity("", False) is None
+
+
+def test_prefilters_see_no_credentials() -> None:
+    shown = shown_headers({"authorization": "Bearer k", "Proxy-Authorization": "x", "x-session-id": "s",
+                           "cache-control": "no-cache"})
+    assert shown == {"x-session-id": "s", "cache-control": "no-cache"}
+
+
+def view(stream: bool = False) -> ChatRequest:
+    return ChatRequest(body={"messages": []}, key="k", model="m", stream=stream, text="", headers={})
+
+
+class Storing(Prefilter):
+    async def answered(self, request: ChatRequest, answer: Answer) -> None:
+        return None
+
+
+def test_a_prefilter_wants_the_answer_only_when_it_reads_it() -> None:
+    assert not Prefilter().wants_answer(view())
+    assert not KeywordPrefilter({"keywords": ["x"]}).wants_answer(view())
+    assert Storing().wants_answer(view())
+
+
+def test_the_kept_answer_is_bounded() -> None:
+    crew: Any = SimpleNamespace(request_timeout=1.0)
+    attempts = Attempts(crew, {}, None, False, None, None, view())   # type: ignore[arg-type]
+    attempts.tee(b"x" * 1024)
+    assert attempts.collected == b"x" * 1024
+    attempts.tee(b"y" * MAX_ANSWER_BYTES)                          # past the bound: nothing is kept any more
+    assert attempts.collected is None
+    attempts.tee(b"z")
+    assert attempts.collected is None
+    unwatched = Attempts(crew, {}, None, False, None, None, None)    # type: ignore[arg-type]
+    unwatched.tee(b"x")
+    assert unwatched.collected is None
