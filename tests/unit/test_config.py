@@ -56,6 +56,7 @@ VALID = {
     "COALESCE_REQUESTS": "true",
     "LPCACHE_API_KEYS": "k1, k2",
     "MAX_BODY_BYTES": "1000",
+    "CLIENT_TIMEOUT": "7.5",
     "BREAKER_COOLDOWN_MS": "50",
     "BREAKER_MAX_COOLDOWN_MS": "4000",
     "SHUTDOWN_TIMEOUT": "5",
@@ -206,7 +207,7 @@ def test_every_option_from_env() -> None:
     assert (s.meta_dir, s.meta_max, s.request_timeout, s.model_id) == ("/tmp/m", 4, 12.0, "mm")
     assert (s.host, s.port, s.llama_api_key, s.log_level) == ("127.0.0.1", 9999, "secret", "ERROR")
     assert (s.stream_queue_size, s.save_retries, s.save_retry_delay_ms, s.slot_wait_timeout) == (2, 5, 10, 30.0)
-    assert (s.coalesce_requests, s.api_keys, s.max_body_bytes) == (True, ("k1", "k2"), 1000)
+    assert (s.coalesce_requests, s.api_keys, s.max_body_bytes, s.client_timeout) == (True, ("k1", "k2"), 1000, 7.5)
     assert (s.breaker_cooldown_ms, s.breaker_max_cooldown_ms, s.shutdown_timeout) == (50, 4000, 5.0)
 
 
@@ -429,7 +430,7 @@ def test_help_text_in_process_mentions_every_variable() -> None:
 
 def test_hardening_defaults() -> None:
     s = load()
-    assert (s.coalesce_requests, s.api_keys, s.max_body_bytes) == (False, (), 32 * 1024 * 1024)
+    assert (s.coalesce_requests, s.api_keys, s.max_body_bytes) == (False, (), 16 * 1024 * 1024)
     assert (s.breaker_cooldown_ms, s.breaker_max_cooldown_ms, s.shutdown_timeout) == (1000, 60000, 30.0)
 
 
