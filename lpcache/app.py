@@ -253,21 +253,21 @@ class DiskFigure:
         self.index = index
         self.value: int | None = None
         self.at = -DISK_FIGURE_SECONDS
-        self._reading: asyncio.Future[int | None] | None = None
+        self._reading: asyncio.Future[None] | None = None
 
     async def get(self) -> int | None:
-        now = time.monotonic()
-        if now - self.at >= DISK_FIGURE_SECONDS:
-            if self._reading is None:   # one read at a time: the pollers in between share it
-                files = self.index.kv_files()
-                self._reading = asyncio.ensure_future(asyncio.to_thread(self.index.disk_bytes_of, files))
-            try:
-                self.value = await asyncio.shield(self._reading)
-            finally:
-                if self._reading.done():
-                    self._reading = None
-            self.at = time.monotonic()
+        if time.monotonic() - self.at >= DISK_FIGURE_SECONDS:
+            if self._reading is None:   # one read at a time: the pollers meanwhile share it
+                self._reading = asyncio.ensure_future(self._read())
+            await asyncio.shield(self._reading)
         return self.value
+
+    async def _read(self) -> None:
+        try:
+            self.value = await asyncio.to_thread(self.index.disk_bytes_of, self.index.kv_files())
+            self.at = time.monotonic()
+        finally:
+            self._reading = None
 
 
 async def proxy_state(pipeline: Pipeline | None, started: float, disk: DiskFigure | None = None
