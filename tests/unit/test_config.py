@@ -499,3 +499,21 @@ def test_backend_router_and_limits() -> None:
     for bad in ('"router": "yes"', '"max_files": -1', '"max_gib": "big"', '"models_max": true'):
         with pytest.raises(ConfigError):
             load(BACKENDS='[{"url": "http://h:1", ' + bad + '}]')
+
+
+def test_the_default_body_limit_holds_a_128k_token_chat_with_images() -> None:
+    # Measured once with SmolLM2's tokenizer: chats.request's mix is about 2.1 tokens a counted word, 3.1 bytes a
+    # token as JSON, so 62,000 words are about 128k tokens (larger vocabularies make it fewer tokens).
+    import base64
+
+    import orjson
+
+    from lpcache import chats
+
+    body = chats.request(7, 62000, chats.harness(1), turns=12)
+    text_bytes = len(orjson.dumps(body))
+    image = {"type": "image_url",
+             "image_url": {"url": "data:image/jpeg;base64," + base64.b64encode(bytes(600_000)).decode()}}
+    body["messages"][-1]["content"] = [{"type": "text", "text": body["messages"][-1]["content"]}] + [image] * 20
+    assert text_bytes < 1_000_000
+    assert len(orjson.dumps(body)) < Settings().max_body_bytes
