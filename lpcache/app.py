@@ -3,7 +3,7 @@
 Routes: POST /v1/chat/completions (and /chat/completions) through the cache pipeline; the other generation routes
 through a slot of the pool (`forwarded`); GET /v1/models (the backends' models, merged); GET /health; client slot
 actions refused unless allowed; everything else is passed to a backend unchanged, so a client pointed at lpcache
-instead of llama-server loses nothing.
+instead of llama-server loses nothing. A method no route takes (TRACE, PROPFIND...) gets an OpenAI-shaped 405.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -27,7 +28,8 @@ from . import __version__
 from .backends import Prober, start_backends
 from .cache_files import GIB
 from .config import Settings, describe
-from .errors import BackendUnreachable, BadRequest, ClientGone, ProxyError
+from .edge import HeaderLimits
+from .errors import BackendUnreachable, BadRequest, ClientGone, ClientGoneReading, ProxyError
 from .forwarded import GENERATION_ROUTES, generate, slot_actions_refused, slot_touched
 from .guard import ApiKeys, read_body
 from .index import MetaIndex
@@ -43,6 +45,7 @@ from .slots import SlotPool
 
 log = logging.getLogger("lpcache")
 
+DISK_FIGURE_SECONDS = 5.0  # the dashboard's disk figure is this old at most (it stats up to 10,000 files)
 ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
 
 
@@ -55,7 +58,17 @@ class OrjsonResponse(JSONResponse):
 
 def error_response(err: ProxyError) -> Response:
     body, content_type = err.payload()   # a backend's own error answer as it came, else OpenAI's shape
-    return Response(body, status_code=err.status, media_type=content_type)
+    # 408 and 413 come before the body was read to its end: the connection cannot serve another request
+    headers = {"connection": "close"} if err.status in (408, 413) else None
+    return Response(body, status_code=err.status, media_type=content_type, headers=headers)
+
+
+def client_left_reading(pipeline: Pipeline, record: RequestRecord) -> Response:
+    """The client left while sending its body: its record says so (499, as nginx logs it); nobody reads the
+    answer."""
+    record.status, record.reason = 499, "client_disconnected"
+    pipeline.notify(record)
+    return Response(status_code=499)
 
 
 def new_record(request: Request) -> RequestRecord:
@@ -78,11 +91,13 @@ async def chat_completions(request: Request) -> ASGIApp:
     record = new_record(request)
     try:
         return await pipeline.chat(request, record)
+    except ClientGoneReading:
+        return client_left_reading(pipeline, record)
     except ClientGone:
         return Response(status_code=499)   # nobody reads it: the connection is gone
     except ProxyError as e:
         record.status = e.status
-        record.reason = record.reason or {400: "invalid_request", 422: "invalid_request",
+        record.reason = record.reason or {400: "invalid_request", 422: "invalid_request", 408: "client_timeout",
                                           413: "request_too_large"}.get(e.status, "backend_error")
         pipeline.notify(record)
         return error_response(e)
@@ -130,11 +145,12 @@ async def health(request: Request) -> Response:
 
 
 async def sessions(request: Request) -> Response:
-    """The sessions seen since start: route, file, the slot holding it, its file's size, last use, cache hits."""
+    """The sessions seen since start: route, file, the slot holding it, its file's size, last use, cache hits. With
+    client keys, only the sessions the asking key made."""
     pipeline = _pipeline(request)
     holders = {s.content.key: s for s in pipeline.pool.slots if s.content is not None and s.content.session}
     data = []
-    for info in pipeline.sessions.all():
+    for info in pipeline.sessions.all(pipeline.owner(request)):
         slot = holders.get(info.file)
         data.append({**info.as_dict(), "slot": None if slot is None else {
             "backend": pipeline.backends[slot.backend].url, "id": slot.id, "busy": slot.busy,
@@ -148,7 +164,7 @@ async def session_compare(request: Request) -> Response:
     sid = request.path_params["session"]
     if session_id(sid) is None:
         return error_response(BadRequest("a session id is 32 lower-case hex digits", code="invalid_session_id"))
-    info = pipeline.sessions.of_session(sid, request.query_params.get("route"))
+    info = pipeline.sessions.of_session(sid, request.query_params.get("route"), pipeline.owner(request))
     if info is None:
         return error_response(ProxyError("no such session since lpcache started", status=404, type="not_found_error",
                                          code="session_not_found"))
@@ -175,14 +191,17 @@ async def forward(request: Request) -> ASGIApp:
         pipeline.notify(record)
         return error_response(slot_actions_refused())
     try:
-        body = await read_body(request, pipeline.settings.max_body_bytes)
+        body = await read_body(request, pipeline.settings.max_body_bytes, pipeline.settings.client_timeout)
         if request.method == "POST" and request.url.path in GENERATION_ROUTES:
             relay = await generate(pipeline.crew, pipeline.settings, request.url.path, path_qs, headers, body,
                                    record)
             if relay is not None:
                 return relay
+    except ClientGoneReading:
+        return client_left_reading(pipeline, record)
     except ProxyError as e:
         record.status = e.status
+        record.reason = record.reason or {408: "client_timeout", 413: "request_too_large"}.get(e.status)
         pipeline.notify(record)
         return error_response(e)
     return await pass_on(pipeline, request.method, path_qs, headers, body, record,
@@ -210,12 +229,49 @@ async def pass_on(pipeline: Pipeline, method: str, path_qs: str, headers: dict[s
     return error_response(error)
 
 
+async def http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own refusals (a method no route takes: 405; no route: 404) in OpenAI's shape."""
+    assert isinstance(exc, HTTPException)
+    kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, exc.status_code)
+    message = (f"method {request.method} not allowed on {request.url.path}" if exc.status_code == 405
+               else exc.detail)
+    return OrjsonResponse(ProxyError(message, status=exc.status_code, type=kind, code=code).body(),
+                          status_code=exc.status_code, headers=exc.headers)
+
+
 async def internal_error(request: Request, exc: Exception) -> Response:
     log.exception("internal_error path=%s", request.url.path, exc_info=exc)
     return error_response(ProxyError("internal error in lpcache; see its log", code="internal_error"))
 
 
-def proxy_state(pipeline: Pipeline | None, started: float) -> dict[str, object]:
+class DiskFigure:
+    """The disk the caches use, for the dashboard: read in a worker thread (it stats up to 10,000 files), at most
+    once every DISK_FIGURE_SECONDS however often the page polls."""
+
+    def __init__(self, index: MetaIndex) -> None:
+        self.index = index
+        self.value: int | None = None
+        self.at = -DISK_FIGURE_SECONDS
+        self._reading: asyncio.Future[None] | None = None
+
+    async def get(self) -> int | None:
+        if time.monotonic() - self.at >= DISK_FIGURE_SECONDS:
+            if self._reading is None:   # one read at a time: the pollers meanwhile share it
+                self._reading = asyncio.ensure_future(self._read())
+            await asyncio.shield(self._reading)
+        return self.value
+
+    async def _read(self) -> None:
+        try:
+            self.value = await asyncio.to_thread(self.index.disk_bytes_of, self.index.kv_files())
+            self.at = time.monotonic()
+        finally:
+            self._reading = None
+
+
+async def proxy_state(pipeline: Pipeline | None, started: float, disk: DiskFigure | None = None
+                      ) -> dict[str, object]:
     """Live state for the dashboard: backends with breaker and slots, waiting requests, coalesced groups, cache."""
     if pipeline is None:
         return {}
@@ -237,7 +293,7 @@ def proxy_state(pipeline: Pipeline | None, started: float) -> dict[str, object]:
         "waiting": pipeline.pool.waiting,
         "coalesced_groups": len(pipeline.coalescer),
         "meta_entries": len(pipeline.index),
-        "cache_disk_bytes": pipeline.index.disk_bytes(),
+        "cache_disk_bytes": await (disk or DiskFigure(pipeline.index)).get(),
     }
 
 
@@ -287,8 +343,9 @@ def create_app(settings: Settings, plugins: Loaded | None = None) -> Starlette:
             app.state.started = time.time()
             app.state.pipeline = Pipeline(settings, backends, pool, index, observers=observers(),
                                           prefilters=plugins.prefilters)
+            disk = DiskFigure(index)
             for router in plugins.routes:
-                router.state = lambda: proxy_state(getattr(app.state, "pipeline", None), app.state.started)
+                router.state = lambda: proxy_state(getattr(app.state, "pipeline", None), app.state.started, disk)
             for plugin in plugins.all:
                 await plugin.start()
             prober = Prober(backends, lambda b, old: pool.add(b.slots(start=old)))
@@ -323,9 +380,10 @@ def create_app(settings: Settings, plugins: Loaded | None = None) -> Starlette:
             *(route for router in plugins.routes for route in router.routes()),
             Route("/{path:path}", forward, methods=ALL_METHODS),
         ],
-        exception_handlers={Exception: internal_error},
+        exception_handlers={HTTPException: http_error, Exception: internal_error},
         lifespan=lifespan,
     )
     if settings.api_keys:
         app.add_middleware(ApiKeys, keys=settings.api_keys)
+    app.add_middleware(HeaderLimits)
     return app

@@ -21,6 +21,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import uvicorn
 
     from .app import create_app
+    from .edge import server_options
     from .plugins.base import PluginError
     from .plugins.registry import backend_client, build
 
@@ -34,10 +35,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         except PluginError as e:
             build_parser().exit(2, f"lpcache: error: BACKENDS: {e}\n")
 
-    # uvicorn picks uvloop and httptools by itself when they are installed ("auto").
+    # uvicorn picks uvloop by itself when it is installed; the HTTP protocol is h11 with bounds on what a client
+    # connection may hold (`edge`).
     uvicorn.run(create_app(settings, plugins), host=settings.host, port=settings.port,
                 log_level=settings.log_level.lower(), access_log=False, lifespan="on",
-                timeout_graceful_shutdown=max(1, round(settings.shutdown_timeout)))
+                timeout_graceful_shutdown=max(1, round(settings.shutdown_timeout)), **server_options(settings))
     return 0
 
 

@@ -60,7 +60,8 @@ class Settings:
     slot_wait_timeout: float = 300.0
     coalesce_requests: bool = False
     api_keys: tuple[str, ...] = ()
-    max_body_bytes: int = 32 * 1024 * 1024
+    max_body_bytes: int = 16 * 1024 * 1024
+    client_timeout: float = 30.0
     breaker_cooldown_ms: int = 1000
     breaker_max_cooldown_ms: int = 60000
     shutdown_timeout: float = 30.0
@@ -328,8 +329,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("LPCACHE_API_KEYS", "--api-keys", _keys, None,
            "Client keys: a comma-separated list, or @FILE with one key per line. When set, every request but "
            "GET /health needs Authorization: Bearer <key> (else 401).", metavar="KEYS"),
-    Option("MAX_BODY_BYTES", "--max-body-bytes", _int(1), "33554432",
-           "Largest request body accepted, in bytes (413 above it).", metavar="BYTES"),
+    Option("MAX_BODY_BYTES", "--max-body-bytes", _int(1), "16777216",
+           "Largest request body accepted, in bytes (413 above it). 16 MiB: a 128k-token chat's text weighs about "
+           "0.4 MB as JSON; the rest leaves room for about 20 images of 600 KB sent as data URLs.", metavar="BYTES"),
+    Option("CLIENT_TIMEOUT", "--client-timeout", _float(0.0, exclusive_min=True), "30",
+           "Seconds a client may take to send a request's head (from its connection, or from the end of the "
+           "previous answer), and to send each next part of its body; a slower client gets 408 and its "
+           "connection is closed.", metavar="SECONDS"),
     Option("BREAKER_COOLDOWN_MS", "--breaker-cooldown-ms", _int(1), "1000",
            "First cooldown of a backend whose breaker opened; it doubles with each failure in a row.", metavar="MS"),
     Option("BREAKER_MAX_COOLDOWN_MS", "--breaker-max-cooldown-ms", _int(1), "60000",
@@ -458,6 +464,7 @@ def load_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] 
         coalesce_requests=values["COALESCE_REQUESTS"],
         api_keys=values["LPCACHE_API_KEYS"] or (),
         max_body_bytes=values["MAX_BODY_BYTES"],
+        client_timeout=values["CLIENT_TIMEOUT"],
         breaker_cooldown_ms=values["BREAKER_COOLDOWN_MS"],
         breaker_max_cooldown_ms=values["BREAKER_MAX_COOLDOWN_MS"],
         shutdown_timeout=values["SHUTDOWN_TIMEOUT"],

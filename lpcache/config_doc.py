@@ -30,7 +30,7 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
       "MODELS_MAX")),
     ("Limits and hardening", "What a client may send and how long it may wait (see [operations.md](operations.md)).",
      ("SLOT_WAIT_TIMEOUT", "SLOT_AFFINITY_WAIT", "LPCACHE_API_KEYS", "CLIENT_SLOT_ACTIONS", "MAX_BODY_BYTES",
-      "SHUTDOWN_TIMEOUT")),
+      "CLIENT_TIMEOUT", "SHUTDOWN_TIMEOUT")),
     ("Plugins", "Prefilters, the request log and the dashboard (see [plugins.md](plugins.md)).",
      ("PLUGINS",)),
     ("Request log", "The built-in `request_log` plugin, switched on without writing a `PLUGINS` spec.",

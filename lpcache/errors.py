@@ -29,6 +29,11 @@ class ClientGone(LpcacheError):
     """The client disconnected before its answer started: there is nobody to answer."""
 
 
+class ClientGoneReading(ClientGone):
+    """The client disconnected while its request body was read: nothing was started for it, and its record is not
+    told yet."""
+
+
 class ProxyError(LpcacheError):
     """An error answered to the client in OpenAI's shape."""
 

@@ -1,19 +1,21 @@
-"""The gate: client keys (plain ASGI middleware, before any route) and the body size limit (while reading it).
+"""The gate: client keys (plain ASGI middleware, before any route), and the body's size limit and deadline (while
+reading it).
 
-Both answer in OpenAI's error shape. Keys are compared in constant time and never logged; past the gate a client's
-key is kept only as a digest (its identity).
+All answer in OpenAI's error shape. Keys are compared in constant time and never logged; past the gate a client's
+key is kept only as a digest (its identity: whose session, whose coalesced call or cached result).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 from collections.abc import Mapping, Sequence
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .errors import ProxyError
+from .errors import ClientGoneReading, ProxyError
 
 OPEN_PATHS = frozenset({"/health"})  # a load balancer's health check needs no key
 
@@ -84,19 +86,32 @@ class ApiKeys:
                          [(b"www-authenticate", b"Bearer")])
 
 
-async def read_body(request: Request, max_bytes: int) -> bytes:
+async def read_body(request: Request, max_bytes: int, idle_timeout: float | None = None) -> bytes:
     """The request body, or 413 as soon as it is known to pass `max_bytes`: from Content-Length before reading,
-    else while the chunks come in (a chunked upload is not read to its end)."""
+    else while the chunks come in (a chunked upload is not read to its end). 408 when no part of it comes for
+    `idle_timeout` seconds (a slow client would hold its connection forever); ClientGoneReading when the client
+    left."""
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > max_bytes:
         raise too_large(max_bytes)
-    chunks, seen = [], 0
-    async for chunk in request.stream():
+    chunks: list[bytes] = []
+    seen = 0
+    parts = request.stream().__aiter__()
+    while True:
+        try:
+            async with asyncio.timeout(idle_timeout):
+                chunk = await anext(parts)
+        except StopAsyncIteration:
+            return b"".join(chunks)
+        except ClientDisconnect:
+            raise ClientGoneReading() from None
+        except TimeoutError:
+            raise ProxyError(f"no part of the request body came for {idle_timeout:g} s (CLIENT_TIMEOUT)",
+                             status=408, type="invalid_request_error", code="request_timeout") from None
         seen += len(chunk)
         if seen > max_bytes:
             raise too_large(max_bytes)
         chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def too_large(max_bytes: int) -> ProxyError:

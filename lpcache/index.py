@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import logging
 import os
 import time
@@ -418,19 +419,28 @@ class MetaIndex:
     def disk_bytes(self, limit: int = 10000) -> int | None:
         """The size of the KV files of the entries (in the folders visible here): the disk the caches use.
         None when no folder is visible; at most `limit` files are looked at."""
+        return self.disk_bytes_of(self.kv_files(limit))
+
+    def kv_files(self, limit: int = 10000) -> list[tuple[str, ...]]:
+        """Where the KV file of each of the `limit` most recent entries may be: taken on the event loop, so that
+        `disk_bytes_of` can stat them in a worker thread while entries change."""
+        folders = self.slot_save_paths
+        return [tuple(os.path.join(f, e.key) for f in {e.slot_save_path, *folders} if f)
+                for e in itertools.islice(reversed(self._entries.values()), limit)]
+
+    @staticmethod
+    def disk_bytes_of(files: list[tuple[str, ...]]) -> int | None:
+        """The size of the first existing path of each entry's; None when there are entries and none exists."""
         total, seen = 0, False
-        for n, entry in enumerate(reversed(self._entries.values())):
-            if n >= limit:
-                break
-            for folder in {entry.slot_save_path, *self.slot_save_paths}:
-                if folder:
-                    try:
-                        total += os.stat(os.path.join(folder, entry.key)).st_size
-                        seen = True
-                        break
-                    except OSError:
-                        continue
-        return total if seen or not self._entries else None
+        for paths in files:
+            for path in paths:
+                try:
+                    total += os.stat(path).st_size
+                    seen = True
+                    break
+                except OSError:
+                    continue
+        return total if seen or not files else None
 
     async def close(self) -> None:
         """Wait for the file writes already queued, then stop the worker."""

@@ -23,7 +23,7 @@ from . import swap
 from .attempts import Attempts, Crew
 from .backends import Backend
 from .cache_files import Limits
-from .chat_request import ChatCall
+from .chat_request import ChatCall, off_loop
 from .coalesce import Coalescer, coalesce_key
 from .config import Settings
 from .errors import ClientGone, ProxyError
@@ -84,7 +84,8 @@ class Pipeline:
         """Serve one chat request; returns the ASGI app that relays the answer. Raises ProxyError for an error
         answer, ClientGone when the client left before the answer started (its record is already told)."""
         started = time.perf_counter()
-        call = ChatCall.parse(await read_body(request, self.settings.max_body_bytes), self.settings)
+        raw = await read_body(request, self.settings.max_body_bytes, self.settings.client_timeout)
+        call = await ChatCall.read(raw, self.settings)
         body, prompt = call.body, call.prompt
         record.model, record.stream, record.key, record.n_words, record.big = (
             call.model, call.stream, prompt.key, prompt.n_words, call.big)
@@ -107,12 +108,14 @@ class Pipeline:
         if call.big:
             body["cache_prompt"] = True
 
+        coalesce_as = (await off_loop(len(raw), coalesce_key, body, client, session)
+                       if self.settings.coalesce_requests else None)
+
         # From here on a client that leaves cancels the work: waiting for a slot, restoring, or generating.
         watch = ClientWatch(request.receive)
         group = None
-        key = coalesce_key(body, client, session) if self.settings.coalesce_requests else None
-        if key is not None:
-            group, leader = self.coalescer.join(key, call.stream)
+        if coalesce_as is not None:
+            group, leader = self.coalescer.join(coalesce_as, call.stream)
             if not leader:
                 record.coalesced = True
                 return FollowerRelay(group, call.stream, record, watch, self.notify)
@@ -161,9 +164,10 @@ class Pipeline:
             return None
         route = route_name(prompt.model)
         fingerprint = next((fp for b in self.backends if (fp := b.identity(route)) is not None), None)
-        name = session_filename(route, sid, fingerprint)
+        owner = self.owner(request)
+        name = session_filename(route, sid, fingerprint, owner)
         record.session = sid
-        info = self.sessions.seen(name, sid, route, messages, time.time())
+        info = self.sessions.seen(name, sid, route, messages, time.time(), owner)
         if info.comparison is not None:
             log.info("session_prompt file=%s %s", name, info.comparison.log_line())
         return Content(name, prompt.exact, keep=True, session=sid, model=prompt.model, fingerprint=fingerprint)
@@ -192,6 +196,10 @@ class Pipeline:
         request's path."""
         for plugin in listeners:
             self.spawn(_quietly(plugin.answered(view, answer), plugin.name))
+
+    def owner(self, request: Request) -> str | None:
+        """Whose sessions a request may use and see: its client key's digest; None without client keys."""
+        return client_identity(request.headers.get("authorization"), True) if self.settings.api_keys else None
 
     # ---- plumbing ----
 

@@ -44,8 +44,28 @@ def raw_prefix(messages: Sequence[Any]) -> str:
 _ASCII_NON_WORD = {i: " " for i in range(128) if not (chr(i).isalnum() or chr(i) == "_")}
 
 
+# A long text is read in pieces of about this many characters, cut at whitespace (no word and no final sigma spans a
+# cut): one regex call over megabytes holds the interpreter lock for a third of a second, and a big body is parsed
+# in a worker thread so that the event loop runs meanwhile; between pieces, it does.
+PIECE_CHARS = 1 << 16
+_SPACE = re.compile(r"\s")
+
+
 def words(text: str) -> list[str]:
     """The `\\w+` words of the text, lower-cased."""
+    if len(text) <= PIECE_CHARS:
+        return _piece_words(text)
+    out: list[str] = []
+    start, n = 0, len(text)
+    while start < n:
+        cut = _SPACE.search(text, start + PIECE_CHARS) if start + PIECE_CHARS < n else None
+        end = n if cut is None else cut.end()
+        out += _piece_words(text[start:end])
+        start = end
+    return out
+
+
+def _piece_words(text: str) -> list[str]:
     lower = text.lower()
     if lower.isascii():
         return lower.translate(_ASCII_NON_WORD).split()

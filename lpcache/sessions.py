@@ -5,6 +5,10 @@ A session id is client input that becomes part of a file name, so only 32 lower-
 anything else is ignored (the request falls back to prefix mode) and never reaches a path. Files are named per
 route (the model) and session, with a readable, file-safe route tag and a short hash of the route name, so two
 models never share a file and the name passes llama-server's filename check.
+
+With client keys, a session belongs to the key that made it: its owner (a digest of the key, `guard.client_identity`)
+is part of its file name and of its entry in the book, so another key that sends the same id gets a session of its
+own (it can neither restore nor overwrite the first one's cache), and sees only its own sessions listed.
 """
 
 from __future__ import annotations
@@ -42,10 +46,14 @@ def route_tag(route: str, fingerprint: str | None = None) -> str:
     return _UNSAFE.sub("_", route)[:ROUTE_TAG_CHARS] + "-" + hashlib.sha256(ident.encode()).hexdigest()[:8]
 
 
-def session_filename(route: str, session: str, fingerprint: str | None = None) -> str:
-    """`<route tag>_<session>.bin`. Raises ValueError for a session id that is not 32 lower-case hex digits."""
+def session_filename(route: str, session: str, fingerprint: str | None = None, owner: str | None = None) -> str:
+    """`<route tag>_<session>.bin`; with an `owner`, the session part is a digest of owner and session (32 hex
+    digits as well, so the name has the same form). Raises ValueError for a session id that is not 32 lower-case
+    hex digits."""
     if session_id(session) is None:
         raise ValueError("not a session id")
+    if owner is not None:
+        session = hashlib.sha256(f"{owner}\n{session}".encode()).hexdigest()[:32]
     return f"{route_tag(route, fingerprint)}_{session}.bin"
 
 
@@ -145,6 +153,7 @@ class SessionInfo:
     homes: set[int] = field(default_factory=set)  # backends (indexes) that saved its file
     messages: Sequence[Any] = ()     # its last prompt, to say where the next one differs
     comparison: Comparison | None = None
+    owner: str | None = None         # digest of the client key that made it (None without client keys)
 
     def saved(self, backend: int, file_bytes: int | None, chain: tuple[int, ...]) -> None:
         """Its file was just written by `backend` and holds the prompt of `chain`."""
@@ -169,9 +178,11 @@ class SessionBook:
     def __len__(self) -> int:
         return len(self._by_file)
 
-    def seen(self, file: str, session: str, route: str, messages: Sequence[Any], now: float) -> SessionInfo:
-        """A request of the session arrived: count it, and compare its prompt with the previous one."""
-        info = self._by_file.pop(file, None) or SessionInfo(session, route, file)
+    def seen(self, file: str, session: str, route: str, messages: Sequence[Any], now: float,
+             owner: str | None = None) -> SessionInfo:
+        """A request of the session arrived: count it, and compare its prompt with the previous one. `owner`: the
+        client key's digest (it names the file too, so one file never has two owners)."""
+        info = self._by_file.pop(file, None) or SessionInfo(session, route, file, owner=owner)
         self._by_file[file] = info
         if info.requests:
             info.comparison = compare(info.messages, messages)
@@ -185,13 +196,13 @@ class SessionBook:
     def get(self, file: str) -> SessionInfo | None:
         return self._by_file.get(file)
 
-    def of_session(self, session: str, route: str | None = None) -> SessionInfo | None:
-        """The session's most recently used entry (on `route`, when given)."""
+    def of_session(self, session: str, route: str | None = None, owner: str | None = None) -> SessionInfo | None:
+        """The session's most recently used entry (on `route`, when given) of `owner`'s sessions."""
         for info in reversed(self._by_file.values()):
-            if info.session == session and (route is None or info.route == route):
+            if info.session == session and info.owner == owner and (route is None or info.route == route):
                 return info
         return None
 
-    def all(self) -> list[SessionInfo]:
-        """Most recently used first."""
-        return list(reversed(self._by_file.values()))
+    def all(self, owner: str | None = None) -> list[SessionInfo]:
+        """`owner`'s sessions (without client keys every session has owner None), most recently used first."""
+        return [info for info in reversed(self._by_file.values()) if info.owner == owner]

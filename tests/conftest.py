@@ -10,6 +10,7 @@ import httpx
 
 from lpcache.app import create_app
 from lpcache.config import Settings
+from lpcache.edge import server_options
 from lpcache.pipeline import Pipeline
 from lpcache.testing import ServerThread
 
@@ -20,7 +21,7 @@ class Proxy:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.app = create_app(settings)
-        self.server = ServerThread(self.app).start()
+        self.server = ServerThread(self.app, **server_options(settings)).start()
         self.url = self.server.url
         self.client = httpx.Client(base_url=self.url, timeout=60)
         self.records: list[Any] = []

@@ -15,7 +15,7 @@ A plugin is a plain class named by `name`, built from its spec's `params` once a
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -140,9 +140,10 @@ class Observer(Plugin):
 
 
 class Routes(Plugin):
-    """Adds HTTP routes; `state` gives live proxy state to them (set by lpcache at start)."""
+    """Adds HTTP routes; `state` gives live proxy state to them (set by lpcache at start; lpcache's is awaitable,
+    so reading it never blocks the event loop)."""
 
-    state: Callable[[], Mapping[str, Any]] | None = None
+    state: Callable[[], Mapping[str, Any] | Awaitable[Mapping[str, Any]]] | None = None
 
     def routes(self) -> Sequence[Any]:
         return ()

@@ -56,6 +56,7 @@ VALID = {
     "COALESCE_REQUESTS": "true",
     "LPCACHE_API_KEYS": "k1, k2",
     "MAX_BODY_BYTES": "1000",
+    "CLIENT_TIMEOUT": "7.5",
     "BREAKER_COOLDOWN_MS": "50",
     "BREAKER_MAX_COOLDOWN_MS": "4000",
     "SHUTDOWN_TIMEOUT": "5",
@@ -206,7 +207,7 @@ def test_every_option_from_env() -> None:
     assert (s.meta_dir, s.meta_max, s.request_timeout, s.model_id) == ("/tmp/m", 4, 12.0, "mm")
     assert (s.host, s.port, s.llama_api_key, s.log_level) == ("127.0.0.1", 9999, "secret", "ERROR")
     assert (s.stream_queue_size, s.save_retries, s.save_retry_delay_ms, s.slot_wait_timeout) == (2, 5, 10, 30.0)
-    assert (s.coalesce_requests, s.api_keys, s.max_body_bytes) == (True, ("k1", "k2"), 1000)
+    assert (s.coalesce_requests, s.api_keys, s.max_body_bytes, s.client_timeout) == (True, ("k1", "k2"), 1000, 7.5)
     assert (s.breaker_cooldown_ms, s.breaker_max_cooldown_ms, s.shutdown_timeout) == (50, 4000, 5.0)
 
 
@@ -429,7 +430,7 @@ def test_help_text_in_process_mentions_every_variable() -> None:
 
 def test_hardening_defaults() -> None:
     s = load()
-    assert (s.coalesce_requests, s.api_keys, s.max_body_bytes) == (False, (), 32 * 1024 * 1024)
+    assert (s.coalesce_requests, s.api_keys, s.max_body_bytes) == (False, (), 16 * 1024 * 1024)
     assert (s.breaker_cooldown_ms, s.breaker_max_cooldown_ms, s.shutdown_timeout) == (1000, 60000, 30.0)
 
 
@@ -498,3 +499,21 @@ def test_backend_router_and_limits() -> None:
     for bad in ('"router": "yes"', '"max_files": -1', '"max_gib": "big"', '"models_max": true'):
         with pytest.raises(ConfigError):
             load(BACKENDS='[{"url": "http://h:1", ' + bad + '}]')
+
+
+def test_the_default_body_limit_holds_a_128k_token_chat_with_images() -> None:
+    # Measured once with SmolLM2's tokenizer: chats.request's mix is about 2.1 tokens a counted word, 3.1 bytes a
+    # token as JSON, so 62,000 words are about 128k tokens (larger vocabularies make it fewer tokens).
+    import base64
+
+    import orjson
+
+    from lpcache import chats
+
+    body = chats.request(7, 62000, chats.harness(1), turns=12)
+    text_bytes = len(orjson.dumps(body))
+    image = {"type": "image_url",
+             "image_url": {"url": "data:image/jpeg;base64," + base64.b64encode(bytes(600_000)).decode()}}
+    body["messages"][-1]["content"] = [{"type": "text", "text": body["messages"][-1]["content"]}] + [image] * 20
+    assert text_bytes < 1_000_000
+    assert len(orjson.dumps(body)) < Settings().max_body_bytes

@@ -361,3 +361,29 @@ async def test_proxy_state_is_served() -> None:
         plugin.state = broken
         resp = await http.get("/dashboard/api/stats")
         assert resp.status_code == 200 and "error" in resp.json()["proxy"]
+
+
+async def test_the_disk_figure_is_read_off_the_loop_once_per_period() -> None:
+    import asyncio
+    import threading
+
+    from lpcache.app import DiskFigure
+
+    class Index:
+        reads: list[int] = []
+
+        def kv_files(self) -> list[tuple[str, ...]]:
+            return [("/nonexistent",)]
+
+        def disk_bytes_of(self, files: list[tuple[str, ...]]) -> int:
+            self.reads.append(threading.get_ident())
+            return 1234
+
+    index = Index()
+    disk = DiskFigure(index)  # type: ignore[arg-type]
+    figures = await asyncio.gather(*(disk.get() for _ in range(5)))
+    assert figures == [1234] * 5 and await disk.get() == 1234
+    assert len(index.reads) == 1 and index.reads[0] != threading.get_ident()   # one read, in a worker thread
+    disk.at -= 60   # the period is over
+    await disk.get()
+    assert len(index.reads) == 2

@@ -5,7 +5,10 @@ from __future__ import annotations
 import hashlib
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from lpcache import prefix
 from lpcache.identity import canonical_text
 from lpcache.prefix import (
     Prompt,
@@ -264,3 +267,18 @@ def test_ascii_fast_path_matches_the_regex() -> None:
     for _ in range(500):
         text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 200)))
         assert words(text) == re.findall(r"\w+", text.lower())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=st.sampled_from(["Σ", "σ", "a", "B", " ", "\n", "\t", ".", "'", "\u0301", "é", "İ", "_", "1",
+                                         "日", "-", "ß"]), max_size=80),
+       st.integers(min_value=1, max_value=9))
+def test_a_long_text_read_in_pieces_has_the_same_words(text: str, piece: int) -> None:
+    # pieces keep the interpreter lock short (a big body is parsed beside the event loop); they must not change a word
+    whole = words(text)
+    old = prefix.PIECE_CHARS
+    prefix.PIECE_CHARS = piece
+    try:
+        assert words(text) == whole
+    finally:
+        prefix.PIECE_CHARS = old

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lpcache.sessions import compare, route_name, route_tag, session_filename, session_id
+from lpcache.sessions import SessionBook, compare, route_name, route_tag, session_filename, session_id
 
 GOOD = "3f9a0c1d5b7e4a2c8d6f1e0b9a7c5d3e"
 
@@ -52,3 +52,21 @@ def test_compare_identical_added_and_changed() -> None:
     middle = compare(msgs("sys", "q1", "a1", "q2"), msgs("sys", "q1", "edited", "q2"))
     assert middle.message == 2 and "middle" in middle.reading
     assert "message 2" in middle.log_line()
+
+
+def test_an_owner_gets_a_file_of_its_own_for_the_same_session_id() -> None:
+    plain = session_filename("m", GOOD)
+    a, b = session_filename("m", GOOD, owner="a" * 16), session_filename("m", GOOD, owner="b" * 16)
+    assert len({plain, a, b}) == 3
+    assert all(session_id(n.rsplit("_", 1)[1].removesuffix(".bin")) for n in (a, b))   # the same form of name
+    assert a.rsplit("_", 1)[0] == plain.rsplit("_", 1)[0]                                # the same route tag
+
+
+def test_the_book_lists_and_finds_only_the_owners_sessions() -> None:
+    book = SessionBook()
+    book.seen("fa", GOOD, "m", [], 1.0, owner="a")
+    book.seen("fb", GOOD, "m", [], 2.0, owner="b")
+    book.seen("fn", GOOD, "m", [], 3.0)
+    assert [i.file for i in book.all("a")] == ["fa"] and [i.file for i in book.all()] == ["fn"]
+    assert book.of_session(GOOD, owner="b").file == "fb"  # type: ignore[union-attr]
+    assert book.of_session(GOOD, owner="c") is None
