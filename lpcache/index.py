@@ -226,7 +226,7 @@ def write_atomic(path: str, data: bytes) -> None:
 
 
 def _unlink_regular(path: str) -> bool:
-    """Delete a regular file (never a folder, FIFO or link target's kind lpcache did not make)."""
+    """Delete a file only when it is a regular one (never a folder, FIFO, device or symbolic link)."""
     try:
         if not stat.S_ISREG(os.lstat(path).st_mode):
             return False
