@@ -22,6 +22,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from .app import create_app
     from .edge import server_options
+    from .index import check_meta_dir
     from .plugins.base import PluginError
     from .plugins.registry import backend_client, build
 
@@ -29,6 +30,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         plugins = build(settings.plugins)  # at once: a bad spec stops start-up before anything listens
     except PluginError as e:
         build_parser().exit(2, f"lpcache: error: PLUGINS: {e}\n")
+    try:
+        check_meta_dir(settings.meta_dir)   # before anything listens: one line, not a traceback from the app's start
+    except ConfigError as e:
+        build_parser().exit(2, f"lpcache: error: {e}\n")
     for backend in settings.backends:
         try:
             backend_client(backend.client)

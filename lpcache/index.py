@@ -14,6 +14,10 @@ the limits (META_MAX, META_MAX_GIB) delete it meanwhile.
 
 File writes are atomic (a temporary file, then a rename) and go through one worker thread, in order, so a write
 and a delete of the same key never race and the event loop never waits on the disk.
+
+Keys are file names: only 64 lower-case hex digits (lpcache's and the Rust lpcache's SHA-256 keys) are read or
+written, and a KV file is only ever looked for or deleted inside the slot-save folders lpcache was given, whatever
+a meta file says (a stray or hostile meta file can neither name another file nor point into another folder).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import hashlib
 import itertools
 import logging
 import os
+import re
+import stat
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Sequence
@@ -32,6 +38,7 @@ from typing import TypeVar
 
 import orjson
 
+from .errors import ConfigError
 from .eviction import Usage, UsageTable
 from .prefix import Prompt, chain
 
@@ -40,6 +47,11 @@ T = TypeVar("T")
 
 META_SUFFIX = ".meta.json"
 MOVED_ON_TAIL = (4, 0.1)   # an entry a new save shares all but this many identity blocks (or share) of has moved on
+META_FILE_MAX_BYTES = 64 * 1024 * 1024   # a meta file larger than this is not lpcache's (a 128k-token prompt: ~0.3 MB)
+MARKER_SUFFIX = ".saving"                # `<key>.saving`: a save announced, its meta file not written yet
+SKIPPED_LOGGED = 20                      # `meta_skipped` lines at start; the rest are counted in one line
+_KEY = re.compile(r"[0-9a-f]{64}")
+_TMP = re.compile(r"[0-9a-f]{64}\.meta\.json\.tmp-[0-9]+")
 GHOSTS_MIN = 1024   # usage records of deleted entries kept (at least; 4 x META_MAX when that is more)
 FORMAT_VERSION = 1
 
@@ -119,8 +131,57 @@ def meta_document(entry: MetaEntry, blocks: Sequence[str]) -> dict:
     }
 
 
+def valid_key(key: object) -> bool:
+    """A cache key, and so a file name: exactly 64 lower-case hex digits (a SHA-256), never a path."""
+    return isinstance(key, str) and _KEY.fullmatch(key) is not None
+
+
+def inside(folder: str, name: str) -> str | None:
+    """`folder/name` when `name` is a plain file name that stays in `folder`; None for anything else (a separator,
+    `..`, an empty name): no path built from a key or a file name ever leaves its folder."""
+    if not name or name in (".", "..") or any(c in name for c in ("/", "\\", "\0")):
+        return None
+    return os.path.join(folder, name)
+
+
+def check_meta_dir(meta_dir: str) -> None:
+    """Create META_DIR when missing; raises ConfigError (one clear line, exit status 2) when it cannot be created,
+    is not a folder, or cannot be listed and written."""
+    try:
+        os.makedirs(meta_dir, exist_ok=True)
+    except FileExistsError:
+        raise ConfigError("META_DIR", f"{meta_dir!r} exists and is not a folder") from None
+    except OSError as e:
+        raise ConfigError("META_DIR", f"cannot create {meta_dir!r}: {e.strerror or e}") from None
+    if not os.path.isdir(meta_dir):
+        raise ConfigError("META_DIR", f"{meta_dir!r} is not a folder")
+    if not os.access(meta_dir, os.R_OK | os.W_OK | os.X_OK):
+        raise ConfigError("META_DIR", f"{meta_dir!r} is not readable and writable by this user")
+
+
+def read_regular(path: str, limit: int = META_FILE_MAX_BYTES) -> bytes:
+    """The bytes of a regular file; OSError for anything else (a FIFO, a device, a folder: never blocks on one) or
+    a file larger than `limit`."""
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise OSError("not a regular file")
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))   # swapped for a FIFO since the stat: no hang
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError("not a regular file")
+        if st.st_size > limit:
+            raise OSError(f"larger than {limit} bytes")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(limit + 1)
+    finally:
+        os.close(fd)
+
+
 def entry_from_document(key: str, doc: object) -> MetaEntry:
     """Checks a meta file's JSON; raises ValueError for anything lpcache did not write."""
+    if not valid_key(key):
+        raise ValueError("the key (file name) is not 64 lower-case hex digits")
     if not isinstance(doc, dict):
         raise ValueError("not a JSON object")
     model = doc.get("model_id", doc.get("model"))
@@ -166,6 +227,16 @@ def write_atomic(path: str, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def _unlink_regular(path: str) -> bool:
+    """Delete a file only when it is a regular one (never a folder, FIFO, device or symbolic link)."""
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return False
+    except OSError:
+        return False
+    return _unlink(path)
+
+
 def _unlink(path: str) -> bool:
     try:
         os.unlink(path)
@@ -192,6 +263,9 @@ class MetaIndex:
         self.meta_max = meta_max
         self.max_bytes = max_bytes
         self.slot_save_paths = tuple(slot_save_paths)
+        # The folders KV files are ever deleted in: those lpcache was given (and those its own saves name), never
+        # one a meta file on disk names.
+        self._folders = set(self.slot_save_paths)
         self._entries: dict[str, MetaEntry] = {}
         self._usage = UsageTable()   # uses, sizes and the replacement order
         self._exact: dict[str, dict[int, str | set[str]]] = {}
@@ -227,25 +301,75 @@ class MetaIndex:
     # ---- start-up ----
 
     def load(self) -> int:
-        """Read every meta file; skip corrupt or foreign ones with a warning. Returns the number loaded."""
-        os.makedirs(self.meta_dir, exist_ok=True)
-        loaded = []
-        for name in os.listdir(self.meta_dir):
+        """Read every meta file, then reconcile the slot-save folders with them (`reconcile`). A file that is not
+        lpcache's (another name, not a regular file, corrupt) is skipped with a warning and never opened when it
+        is not a regular file. Returns the number of entries loaded. ConfigError when META_DIR is unusable."""
+        check_meta_dir(self.meta_dir)
+        loaded: list[MetaEntry] = []
+        markers: list[str] = []
+        skipped = 0
+        with os.scandir(self.meta_dir) as found:
+            names = sorted(e.name for e in found)
+        for name in names:
             path = os.path.join(self.meta_dir, name)
-            if ".meta.json.tmp-" in name:
-                _unlink(path)  # a write that never finished
+            if _TMP.fullmatch(name):
+                _unlink_regular(path)  # a write that never finished
+                continue
+            if name.endswith(MARKER_SUFFIX) and valid_key(name[: -len(MARKER_SUFFIX)]):
+                markers.append(name[: -len(MARKER_SUFFIX)])
                 continue
             if not name.endswith(META_SUFFIX):
                 continue
             key = name[: -len(META_SUFFIX)]
             try:
-                with open(path, "rb") as f:
-                    loaded.append(entry_from_document(key, orjson.loads(f.read())))
+                loaded.append(entry_from_document(key, orjson.loads(read_regular(path))))
             except (OSError, ValueError) as e:
-                log.warning("meta_skipped file=%s reason=%s", path, e)
+                skipped += 1
+                if skipped <= SKIPPED_LOGGED:
+                    log.warning("meta_skipped file=%s reason=%s", path, e)
+        if skipped > SKIPPED_LOGGED:
+            log.warning("meta_skipped count=%d (the first %d are named above)", skipped, SKIPPED_LOGGED)
         for entry in sorted(loaded, key=lambda e: e.timestamp):
             self._insert(entry)
+        self.reconcile(markers)
         return len(loaded)
+
+    def reconcile(self, markers: Iterable[str]) -> None:
+        """The rule for KV files without a meta file, at start (docs/operations.md, "Files lpcache keeps"):
+
+        - lpcache announces each prefix-mode save with a marker `<key>.saving` in META_DIR before the server
+          writes the file, and removes it with the meta file's write (or the failed save's clean-up). A marker
+          left by a stop or crash in between names a file lpcache made but never recorded: without its meta file
+          nothing can find it, so it is deleted from the slot-save folders lpcache was given (`kv_file_removed
+          ... reason=unrecorded`); when a meta file of that key exists, the file is a newer save of the same
+          prompt and is kept.
+        - Session files (`<route tag>_<session>.bin`) have no meta file: their name says what they are, they are
+          found by it and counted by MAX_FILES / MAX_GIB. Kept.
+        - Any other file, including a 64-hex-digit one with neither meta file nor marker (the Rust lpcache names
+          its files the same way, and earlier lpcache versions left no marker), is not provably lpcache's: it is
+          never deleted, only counted in one line (`kv_files_unknown`).
+        """
+        for key in markers:
+            if key not in self._entries:
+                for folder in self._folders:
+                    path = inside(folder, key)
+                    if path is not None and _unlink_regular(path):
+                        log.info("kv_file_removed key=%s folder=%s reason=unrecorded", key, folder)
+            _unlink(self._marker_path(key))
+        for folder in sorted(self._folders):
+            count = size = 0
+            try:
+                with os.scandir(folder) as found:
+                    for e in found:
+                        if _KEY.fullmatch(e.name) and e.name not in self._entries and e.is_file():
+                            count += 1
+                            size += e.stat().st_size
+            except OSError:
+                continue   # not visible here
+            if count:
+                log.info("kv_files_unknown folder=%s count=%d bytes=%d: files named like prefix caches that no "
+                         "meta file describes (the Rust lpcache's, or left by an older lpcache) are left alone",
+                         folder, count, size)
 
     # ---- lookups ----
 
@@ -325,6 +449,8 @@ class MetaIndex:
         """Record a cache just saved as the file `key`: write its meta file, drop the entries it makes redundant
         (their identity chain is a prefix of its own, same model and folder; their history of uses carries over),
         then prune beyond the limits. Returns what was removed."""
+        if slot_save_path:
+            self._folders.add(slot_save_path)
         now = time.time()
         old = self._entries.get(key)
         entry = MetaEntry(key, prompt.model, self.wpb, prompt.chain, now, prompt.n_words, backend, slot_save_path,
@@ -344,10 +470,23 @@ class MetaIndex:
         await self._run(self._write_and_delete, entry.key, data, removed)
         return removed
 
-    async def settled(self) -> None:
-        """Wait until the file deletions queued so far are done: a save of a name that the limits just deleted
-        must not be written while its old file is being unlinked (the server would write into a deleted file)."""
-        await self._run(_nothing)
+    async def saving(self, key: str, slot_save_path: str | None) -> None:
+        """A prefix-mode save of `key` is about to be sent: mark it in META_DIR first (`<key>.saving`), so a stop
+        before its meta file is written leaves a trace the next start reconciles (`reconcile`). Run after the file
+        deletions queued so far (one I/O thread): a save of a name the limits just deleted is never written while
+        its old file is being unlinked (the server would write into a deleted file)."""
+        if not valid_key(key):
+            return
+        if slot_save_path:
+            self._folders.add(slot_save_path)
+        await self._run(self._mark, key)
+
+    def _mark(self, key: str) -> None:
+        try:
+            with open(self._marker_path(key), "wb"):
+                pass
+        except OSError as e:
+            log.warning("meta_write_failed key=%s reason=%s", key, e)
 
     async def touch(self, key: str) -> None:
         """A restore is a use: the entry moves to the young end and its file's timestamp is bumped."""
@@ -379,7 +518,7 @@ class MetaIndex:
 
         def gone_everywhere() -> bool:
             visible = [p for p in folders if os.path.isdir(p)]
-            return bool(visible) and not any(os.path.exists(os.path.join(p, key)) for p in visible)
+            return bool(visible) and not any(os.path.exists(os.path.join(p, entry.key)) for p in visible)
 
         if not await self._run(gone_everywhere) or self._entries.get(key) is not entry:
             return False
@@ -400,7 +539,8 @@ class MetaIndex:
         folder = slot_save_path or entry.slot_save_path
         if not folder or not os.path.isdir(folder):
             return None
-        return os.path.isfile(os.path.join(folder, entry.key))
+        path = inside(folder, entry.key)
+        return path is not None and os.path.isfile(path)
 
     async def forget(self, key: str, slot_save_path: str | None) -> None:
         """After a failed save: the server writes in place, so the file `<key>` may be partial. Drop its meta and
@@ -408,10 +548,14 @@ class MetaIndex:
         entry = self._entries.get(key)
         if entry is not None:
             self._remove(entry)
+        if slot_save_path:
+            self._folders.add(slot_save_path)
 
         def delete() -> None:
             _unlink(self._meta_path(key))
-            if slot_save_path and _unlink(os.path.join(slot_save_path, key)):
+            _unlink(self._marker_path(key))
+            path = inside(slot_save_path, key) if slot_save_path else None
+            if path is not None and _unlink(path):
                 log.info("kv_file_removed key=%s folder=%s reason=failed_save", key, slot_save_path)
 
         await self._run(delete)
@@ -606,6 +750,18 @@ class MetaIndex:
     def _meta_path(self, key: str) -> str:
         return os.path.join(self.meta_dir, key + META_SUFFIX)
 
+    def _marker_path(self, key: str) -> str:
+        return os.path.join(self.meta_dir, key + MARKER_SUFFIX)
+
+    def _kv_paths(self, entry: MetaEntry) -> list[tuple[str, str]]:
+        """(folder, path) of the entry's KV file in each folder it may be in that lpcache may delete in."""
+        found = []
+        for folder in {entry.slot_save_path, *self.slot_save_paths}:
+            path = inside(folder, entry.key) if folder and folder in self._folders else None
+            if folder and path is not None:
+                found.append((folder, path))
+        return found
+
     def _write_and_delete(self, key: str | None, data: bytes, removed: list[MetaEntry]) -> None:
         if key is not None:
             try:
@@ -613,12 +769,13 @@ class MetaIndex:
                 write_atomic(self._meta_path(key), data)
             except OSError as e:
                 log.warning("meta_write_failed key=%s reason=%s", key, e)
+            _unlink(self._marker_path(key))   # recorded (or not: the file is then unknown, never deleted)
         for entry in removed:
             if entry.key in self._entries:
                 continue   # saved again meanwhile (same name): its new file and meta stay
             _unlink(self._meta_path(entry.key))
-            for folder in {entry.slot_save_path, *self.slot_save_paths}:
-                if folder and _unlink(os.path.join(folder, entry.key)):
+            for folder, path in self._kv_paths(entry):
+                if _unlink(path):
                     log.debug("kv_file_removed key=%s folder=%s", entry.key, folder)
             log.info("meta_removed key=%s", entry.key)
 
@@ -631,10 +788,6 @@ class MetaIndex:
             write_atomic(path, orjson.dumps(doc))
         except (OSError, ValueError, TypeError) as e:
             log.warning("meta_touch_failed key=%s reason=%s", key, e)
-
-
-def _nothing() -> None:
-    return None
 
 
 def _add_holder(table: dict[int, str | set[str]], digest: int, key: str) -> None:

@@ -171,7 +171,7 @@ class Saver:
         attempts = 1 + self.settings.save_retries
         model = RouterModels.slot_model(backend, prompt.model)
         result: SlotAction | None = None
-        await self.index.settled()
+        await self.index.saving(content.key, backend.config.slot_save_path)   # reconciled at start if we stop here
         for attempt in range(1, attempts + 1):
             result, _ = await swap.save(backend.client, slot.id, content, None, model)
             if result.ok:
@@ -210,7 +210,7 @@ class Saver:
         if not await swap.wait_idle(backend.client, slot.id, model):
             return False
         if held.session is None:
-            await self.index.settled()
+            await self.index.saving(held.key, backend.config.slot_save_path)   # reconciled at start if we stop here
         result, _ = await swap.save(backend.client, slot.id, held, self.folders[backend.index], model)
         self.saved_held(backend, slot, held, result, record)
         return result.ok

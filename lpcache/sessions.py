@@ -9,12 +9,17 @@ models never share a file and the name passes llama-server's filename check.
 With client keys, a session belongs to the key that made it: its owner (a digest of the key, `guard.client_identity`)
 is part of its file name and of its entry in the book, so another key that sends the same id gets a session of its
 own (it can neither restore nor overwrite the first one's cache), and sees only its own sessions listed.
+
+The book of sessions is bounded whatever clients send: at most `limit` sessions, and of each one's last prompt only
+a `Summary` (digests and lengths; the text itself only for a short prompt), at most `budget` bytes in all.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import re
+from array import array
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -24,6 +29,10 @@ from .prefix import content_text
 _SESSION_ID = re.compile(r"[0-9a-f]{32}")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 ROUTE_TAG_CHARS = 40
+TEXT_KEPT_CHARS = 8192          # a prompt this short is kept as text: its comparison is exact to the character
+CHUNKS_MAX = 1024               # a longer one as digests of chunks (about this many): exact to a chunk ...
+CHUNK_MIN_CHARS = 64            # ... of at least this many characters
+BOOK_BUDGET_BYTES = 64 * 1024 * 1024   # all summaries of a book together
 
 
 def session_id(header: str | None) -> str | None:
@@ -104,23 +113,95 @@ def _common(a: str, b: str) -> int:
     return i
 
 
-def compare(previous: Sequence[Any], current: Sequence[Any]) -> Comparison:
-    """Compare two chat prompts message by message (role and text). Messages count from 0."""
-    old = [(m.get("role"), content_text(m.get("content"))) for m in previous if isinstance(m, dict)]
-    new = [(m.get("role"), content_text(m.get("content"))) for m in current if isinstance(m, dict)]
+def _digest(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
+
+
+def _pairs(messages: Sequence[Any]) -> list[tuple[str | None, str]]:
+    return [(m.get("role") if isinstance(m.get("role"), str) else None, content_text(m.get("content")))
+            for m in messages if isinstance(m, dict)]
+
+
+@dataclass(eq=False)
+class Summary:
+    """What a comparison needs of a prompt, in bounded memory: per message the digests of its role and text, its
+    length and the digests of its text in chunks of `chunk` characters; the texts themselves only when the whole
+    prompt is under TEXT_KEPT_CHARS. Where a message differs is then exact to the character for a short prompt and
+    to a chunk (a lower bound) for a long one."""
+
+    roles: array
+    texts: array
+    lengths: array
+    chunk: int
+    chunks: array
+    starts: array                                     # message i's chunks: chunks[starts[i]:starts[i + 1]]
+    kept: tuple[tuple[str | None, str], ...] | None   # the messages themselves, for a short prompt
+
+    @classmethod
+    def of(cls, messages: Sequence[Any]) -> Summary:
+        pairs = _pairs(messages)
+        chars = sum(len(text) + len(role or "") for role, text in pairs)
+        chunk = max(CHUNK_MIN_CHARS, math.ceil(chars / CHUNKS_MAX))
+        roles, texts, lengths, chunks, starts = array("Q"), array("Q"), array("Q"), array("Q"), array("Q", [0])
+        for role, text in pairs:
+            roles.append(_digest(role or ""))
+            texts.append(_digest(text))
+            lengths.append(len(text))
+            if chars > TEXT_KEPT_CHARS:
+                chunks.extend(_digest(text[i:i + chunk]) for i in range(0, len(text), chunk))
+            starts.append(len(chunks))
+        return cls(roles, texts, lengths, chunk, chunks, starts, tuple(pairs) if chars <= TEXT_KEPT_CHARS else None)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def nbytes(self) -> int:
+        kept = sum(4 * (len(t) + len(r or "")) + 120 for r, t in self.kept) if self.kept is not None else 0
+        return kept + 8 * (4 * len(self.lengths) + len(self.chunks)) + 400
+
+    def same(self, i: int, role: str | None, text: str) -> bool:
+        if self.kept is not None:
+            return self.kept[i] == (role, text)
+        return (self.lengths[i] == len(text) and self.roles[i] == _digest(role or "")
+                and self.texts[i] == _digest(text))
+
+    def same_role(self, i: int, role: str | None) -> bool:
+        return self.kept[i][0] == role if self.kept is not None else self.roles[i] == _digest(role or "")
+
+    def common(self, i: int, text: str) -> int:
+        """Characters message i's text shares with `text` from the start (for a long prompt: whole chunks)."""
+        if self.kept is not None:
+            return _common(self.kept[i][1], text)
+        length = self.lengths[i]
+        if length <= len(text) and self.texts[i] == _digest(text[:length]):
+            return length
+        shared = 0
+        for k in range(self.starts[i], self.starts[i + 1]):
+            end = min(shared + self.chunk, length)
+            if self.chunks[k] != _digest(text[shared:end]) or len(text) < end:
+                break
+            shared = end
+        return shared
+
+
+def compare(previous: Sequence[Any] | Summary, current: Sequence[Any]) -> Comparison:
+    """Compare two chat prompts message by message (role and text). Messages count from 0. `previous` may be the
+    `Summary` of the earlier prompt (what the book keeps)."""
+    old = previous if isinstance(previous, Summary) else Summary.of(previous)
+    new = _pairs(current)
     total = sum(len(text) for _, text in new)
-    last = _common(old[-1][1], new[-1][1]) if old and new else 0
+    last = old.common(len(old) - 1, new[-1][1]) if len(old) and new else 0
     sizes = {"messages": len(new), "previous_messages": len(old),
-             "last_chars": len(new[-1][1]) if new else 0, "previous_last_chars": len(old[-1][1]) if old else 0}
+             "last_chars": len(new[-1][1]) if new else 0, "previous_last_chars": old.lengths[-1] if len(old) else 0}
     shared = 0
     for i, (role, text) in enumerate(new):
         if i >= len(old):
             return Comparison(False, i, role, shared, total, last,
                               "only messages were added: the whole previous prompt can be reused",
                               message_chars=len(text), **sizes)
-        old_role, old_text = old[i]
-        if (role, text) != (old_role, old_text):
-            same_here = _common(old_text, text) if role == old_role else 0
+        if not old.same(i, role, text):
+            same_here = old.common(i, text) if old.same_role(i, role) else 0
             shared += same_here
             if i == 0:
                 reading = "the first (system) message differs: the whole prompt is read again"
@@ -129,7 +210,7 @@ def compare(previous: Sequence[Any], current: Sequence[Any]) -> Comparison:
             else:
                 reading = "a message in the middle differs: everything after it is read again"
             return Comparison(False, i, role, shared, total, last, reading, message_shared_chars=same_here,
-                              message_chars=len(text), previous_message_chars=len(old_text), **sizes)
+                              message_chars=len(text), previous_message_chars=old.lengths[i], **sizes)
         shared += len(text)
     if len(old) > len(new):
         return Comparison(False, len(new), None, shared, total, last, "messages were removed at the end", **sizes)
@@ -151,7 +232,7 @@ class SessionInfo:
     file_bytes: int | None = None    # size of its file after the last save, as the server reported it
     saved_chain: tuple[int, ...] = ()  # block chain of the prompt its file holds
     homes: set[int] = field(default_factory=set)  # backends (indexes) that saved its file
-    messages: Sequence[Any] = ()     # its last prompt, to say where the next one differs
+    summary: Summary | None = None   # its last prompt, to say where the next one differs
     comparison: Comparison | None = None
     owner: str | None = None         # digest of the client key that made it (None without client keys)
 
@@ -168,11 +249,14 @@ class SessionInfo:
 
 
 class SessionBook:
-    """The sessions seen since start, the most recently used last; at most `limit` (the oldest are forgotten:
-    their files stay, only the comparison with their previous prompt is lost)."""
+    """The sessions seen since start, the most recently used last; at most `limit`, and their prompt summaries at
+    most `budget` bytes together (the oldest are forgotten: their files stay, only the comparison with their
+    previous prompt is lost; a prompt whose summary alone exceeds the budget is not compared)."""
 
-    def __init__(self, limit: int = 1024) -> None:
+    def __init__(self, limit: int = 1024, budget: int = BOOK_BUDGET_BYTES) -> None:
         self.limit = limit
+        self.budget = budget
+        self.bytes = 0
         self._by_file: dict[str, SessionInfo] = {}
 
     def __len__(self) -> int:
@@ -184,14 +268,24 @@ class SessionBook:
         client key's digest (it names the file too, so one file never has two owners)."""
         info = self._by_file.pop(file, None) or SessionInfo(session, route, file, owner=owner)
         self._by_file[file] = info
-        if info.requests:
-            info.comparison = compare(info.messages, messages)
+        if info.summary is not None:
+            info.comparison = compare(info.summary, messages)
+            self.bytes -= info.summary.nbytes
         info.requests += 1
         info.last_use = now
-        info.messages = messages
-        while len(self._by_file) > self.limit:
-            del self._by_file[next(iter(self._by_file))]
+        info.summary = Summary.of(messages)
+        self.bytes += info.summary.nbytes
+        while len(self._by_file) > self.limit or (self.bytes > self.budget and len(self._by_file) > 1):
+            self._forget(next(iter(self._by_file)))
+        if self.bytes > self.budget:
+            self.bytes -= info.summary.nbytes
+            info.summary = None
         return info
+
+    def _forget(self, file: str) -> None:
+        info = self._by_file.pop(file)
+        if info.summary is not None:
+            self.bytes -= info.summary.nbytes
 
     def get(self, file: str) -> SessionInfo | None:
         return self._by_file.get(file)

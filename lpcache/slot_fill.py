@@ -287,6 +287,8 @@ class SlotFiller:
             gained = common_prefix(info.saved_chain, prompt.exact)
             restore = speeds.restore_pays(round(speeds.tokens_of(len(info.saved_chain))), speeds.tokens_of(gained))
             record.restore_skipped = not restore or None
+        if slot.content is not None and slot.content.dirty and slot.content.session is None:
+            await self.saver.index.saving(slot.content.key, backend.config.slot_save_path)   # may be saved here
         result = await swap.bring_in(backend.client, slot.id, slot.content, want, self.saver.folders[backend.index],
                                      RouterModels.slot_model(backend, prompt.model), restore=restore)
         if result.saved is not None and slot.content is not None:

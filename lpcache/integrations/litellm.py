@@ -28,6 +28,12 @@ code lpcache's own session mode uses (`lpcache.swap`); file names, limits and lo
   (LLAMA_SAVE_IDLE_SECONDS, 0: save only when the slot is needed for another session).
 - Slot actions go only to an idle slot (GET /slots); nothing here ever fails a request: a miss, a missing file or
   a dead server only costs a prefill.
+- The request is pinned to the slot (`id_slot` in the body LiteLLM sends, through `extra_body`), and the slot is
+  the request's until its answer is done: LiteLLM's success or failure event, the end of a stream (also a client
+  leaving it), or at most `hold_seconds` (LLAMA_HOLD_SECONDS, 600) when LiteLLM never says. Another session's
+  swap waits for it, so a slot is never saved under one session's name while another session's request runs in
+  it. Calls are told apart by LiteLLM's `litellm_call_id`; without one (an unknown LiteLLM), the request is pinned
+  but the slot is not held.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ import collections
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -61,6 +67,7 @@ except ImportError:  # pragma: no cover - lpcache without LiteLLM: the module st
 log = logging.getLogger("lpcache.integrations.litellm")
 
 IDLE_SAVE_WAIT_SECONDS = 3600.0   # an idle save waits this long at most for a request of another client to end
+KNOWN_MAX = 256                   # servers x models remembered (fingerprints, limits, skipped routes): client names
 
 
 def _follow_litellm_logging() -> None:
@@ -88,13 +95,14 @@ class RouteOptions:
     max_gib: float = 0.0
     models_max: int = 4
     save_idle_seconds: float = 0.0
+    hold_seconds: float = 600.0
 
     @classmethod
     def of(cls, value: Any, environ: Mapping[str, str]) -> RouteOptions:
         """Raises ValueError naming the setting."""
         given: Mapping[str, Any] = value if isinstance(value, Mapping) else {}
         unknown = set(given) - {"slot", "model", "save_path", "max_files", "max_gib", "models_max",
-                                "save_idle_seconds"}
+                                "save_idle_seconds", "hold_seconds"}
         if unknown:
             raise ValueError(f"unknown slot_cache setting(s): {', '.join(sorted(unknown))}")
 
@@ -117,7 +125,8 @@ class RouteOptions:
                    max_files=pick("max_files", "LLAMA_CACHE_MAX_FILES", "0", int),
                    max_gib=pick("max_gib", "LLAMA_CACHE_MAX_GIB", "0", float),
                    models_max=pick("models_max", "LLAMA_MODELS_MAX", "4", int),
-                   save_idle_seconds=pick("save_idle_seconds", "LLAMA_SAVE_IDLE_SECONDS", "0", float))
+                   save_idle_seconds=pick("save_idle_seconds", "LLAMA_SAVE_IDLE_SECONDS", "0", float),
+                   hold_seconds=pick("hold_seconds", "LLAMA_HOLD_SECONDS", "600", float, 1))
 
 
 def server_root(api_base: str) -> str:
@@ -143,6 +152,22 @@ class SlotState:
         self.idle = None
 
 
+@dataclass(eq=False)
+class Lease:
+    """A request holding its slot's lock from before it is sent until its answer is done."""
+
+    state: SlotState
+    file: str
+    started: float
+    expiry: asyncio.TimerHandle | None = None
+
+
+def _bounded(table: dict[Any, Any], limit: int = KNOWN_MAX) -> None:
+    """Forget the oldest keys of a dict keyed by client-given names (models, routes) beyond `limit`."""
+    while len(table) > limit:
+        del table[next(iter(table))]
+
+
 class SlotCacheHook(CustomLogger):
     """The LiteLLM callback. One instance serves every route, server and session."""
 
@@ -155,24 +180,78 @@ class SlotCacheHook(CustomLogger):
         self.limits: dict[tuple[str | None, str], Limits] = {}           # (save_path, route tag) -> limits
         self.skipped: set[tuple[str, str]] = set()
         self.fingerprints: dict[tuple[str, str], str | None] = {}
+        self.leases: dict[str, Lease] = {}                              # by LiteLLM's litellm_call_id
         self._http: aiohttp.ClientSession | None = None
         self._clients: dict[tuple[str, str | None], LlamaClient] = {}
         _follow_litellm_logging()
 
     # ---- LiteLLM's hook: after the router chose the deployment, before the request is sent ----
 
-    async def async_pre_call_deployment_hook(self, kwargs: dict[str, Any], call_type: Any) -> None:
+    async def async_pre_call_deployment_hook(self, kwargs: dict[str, Any], call_type: Any) -> dict[str, Any] | None:
+        call = _call_id(kwargs)
+        if call is not None:
+            self.done(call, "retried")   # LiteLLM retries a call through this hook again: its first try is over
         try:
-            await self.before_request(kwargs)
+            slot = await self.before_request(kwargs)
         except Exception:  # the request goes on whatever happens here: a cache only ever saves time
             log.exception("slot_cache: unexpected error; the request goes on without the cache")
-        return None
+            return None
+        if slot is None:
+            return None
+        extra = kwargs.get("extra_body")
+        kwargs["extra_body"] = {**(extra if isinstance(extra, Mapping) else {}), "id_slot": slot}
+        return kwargs
 
-    async def before_request(self, kwargs: Mapping[str, Any]) -> None:
+    # ---- the end of the answer: LiteLLM's events, and the end of a stream ----
+
+    async def async_log_success_event(self, kwargs: Any, response_obj: Any, start_time: Any, end_time: Any) -> None:
+        self.done(_call_id(kwargs), "answered")
+
+    async def async_log_failure_event(self, kwargs: Any, response_obj: Any, start_time: Any, end_time: Any) -> None:
+        self.done(_call_id(kwargs), "failed")
+
+    async def async_post_call_success_hook(self, data: Any, user_api_key_dict: Any, response: Any) -> Any:
+        self.done(_call_id(data), "answered")
+        return response
+
+    async def async_post_call_failure_hook(self, request_data: Any, original_exception: Any,
+                                           user_api_key_dict: Any, *args: Any, **kwargs: Any) -> None:
+        self.done(_call_id(request_data), "failed")
+
+    async def async_post_call_streaming_iterator_hook(self, user_api_key_dict: Any, response: Any,
+                                                      request_data: Any) -> AsyncIterator[Any]:
+        """A stream is done when its last chunk is sent, or when the client leaves it (the generator is closed)."""
+        try:
+            async for chunk in response:
+                yield chunk
+        finally:
+            self.done(_call_id(request_data), "streamed")
+
+    def done(self, call: str | None, why: str) -> None:
+        """The call's answer is done (or abandoned): its slot is free for the next session's swap."""
+        lease = self.leases.pop(call, None) if call is not None else None
+        if lease is None:
+            return
+        if lease.expiry is not None:
+            lease.expiry.cancel()
+        if lease.state.lock.locked():
+            lease.state.lock.release()
+        log.debug("slot_cache: %s released slot %d (%s) after %.1f s", lease.file, lease.state.slot, why,
+                  time.monotonic() - lease.started)
+
+    def _expire(self, call: str, seconds: float) -> None:
+        lease = self.leases.get(call)
+        if lease is not None:
+            log.warning("slot_cache: %s held slot %d for %.0f s and LiteLLM never said its answer was done; "
+                        "released", lease.file, lease.state.slot, seconds)
+            self.done(call, "expired")
+
+    async def before_request(self, kwargs: Mapping[str, Any]) -> int | None:
+        """The swap for a request of a session; returns the slot to pin it to (None: not a session request)."""
         headers = (kwargs.get("proxy_server_request") or {}).get("headers") or {}
         sid = session_id(_header(headers, "x-session-id"))
         if sid is None:
-            return
+            return None
         metadata = kwargs.get("metadata") or {}
         raw_options = (kwargs.get("model_info") or {}).get("slot_cache")
         api_base = kwargs.get("api_base")
@@ -180,12 +259,12 @@ class SlotCacheHook(CustomLogger):
         if not (raw_options and api_base and group):
             why = "no model_info.slot_cache" if not raw_options else "no api_base" if not api_base else "no route"
             self._skip(str(group), why)
-            return
+            return None
         try:
             options = RouteOptions.of(raw_options, os.environ if self.environ is None else self.environ)
         except ValueError as e:
             self._skip(str(group), str(e))
-            return
+            return None
         route = route_name(str(group))
         model = options.model or route_name(str(kwargs.get("model") or route))
         root = server_root(str(api_base))
@@ -195,6 +274,7 @@ class SlotCacheHook(CustomLogger):
         name = session_filename(route, sid, fingerprint)
         self.limits[(options.save_path, route_tag(route, fingerprint))] = Limits.of(options.max_files,
                                                                                     options.max_gib)
+        _bounded(self.limits)
         folders = swap.Folders(options.save_path, lambda tag: self.limits.get((options.save_path, tag), Limits()))
 
         messages = kwargs.get("messages")
@@ -206,8 +286,19 @@ class SlotCacheHook(CustomLogger):
         state = self.states.get(key)
         if state is None:
             state = self.states[key] = SlotState(root, model, options.slot)
+            self._forget_states()
         await self.switch(state, Content(name, (), keep=True, session=sid, model=model), client, folders,
-                          options.save_idle_seconds)
+                          options.save_idle_seconds, _call_id(kwargs), options.hold_seconds)
+        return options.slot
+
+    def _forget_states(self) -> None:
+        """Slots of models named by clients: at most KNOWN_MAX, the idle ones seen longest ago forgotten first."""
+        for key in list(self.states):
+            if len(self.states) <= KNOWN_MAX:
+                return
+            state = self.states[key]
+            if not state.lock.locked() and (state.idle is None or state.idle.done()):
+                del self.states[key]
 
     async def fingerprint(self, client: LlamaClient, model: str) -> str | None:
         """The identity of the model the server runs for `model` (as lpcache's proxy computes it), asked once per
@@ -229,11 +320,13 @@ class SlotCacheHook(CustomLogger):
                 self.fingerprints[key] = router_model_fingerprint(entry) if entry is not None else None
             else:
                 self.fingerprints[key] = model_fingerprint(props, entries[0] if entries else {})
-        return self.fingerprints[key]
+            _bounded(self.fingerprints)
+        return self.fingerprints.get(key)
 
     def _skip(self, route: str, why: str) -> None:
         if (route, why) not in self.skipped:
-            self.skipped.add((route, why))
+            if len(self.skipped) < KNOWN_MAX:
+                self.skipped.add((route, why))
             log.info("slot_cache: not used for %s: %s", route, why)
 
     def _client(self, root: str, api_key: str | None) -> LlamaClient:
@@ -250,12 +343,23 @@ class SlotCacheHook(CustomLogger):
     # ---- the slot ----
 
     async def switch(self, state: SlotState, want: Content, client: LlamaClient, folders: swap.Folders,
-                     idle_seconds: float) -> None:
-        async with state.lock:
+                     idle_seconds: float, call: str | None = None, hold_seconds: float = 600.0) -> None:
+        """Bring the session's cache into the slot. With a call id the slot stays locked for that call until its
+        answer is done (`done`); without one it is free again at once."""
+        await state.lock.acquire()
+        held = False
+        try:
             state.cancel_idle()
             await swap.bring_in(client, state.slot, state.content, want, folders, state.model)
             # the request about to be sent changes what the slot holds: it is this session's, not saved yet
             state.content = replace(want, saved=False)
+            if call is not None:
+                lease = self.leases[call] = Lease(state, want.key, time.monotonic())
+                lease.expiry = asyncio.get_running_loop().call_later(hold_seconds, self._expire, call, hold_seconds)
+                held = True
+        finally:
+            if not held:
+                state.lock.release()
         if idle_seconds > 0:
             state.idle = asyncio.ensure_future(self._save_when_idle(state, client, folders, idle_seconds))
 
@@ -300,10 +404,23 @@ class SlotCacheHook(CustomLogger):
                     await self.release(state, client, folders)
 
     async def close(self) -> None:
+        for call in list(self.leases):
+            self.done(call, "closed")
         for state in self.states.values():
             state.cancel_idle()
         if self._http is not None:
             await self._http.close()
+
+
+def _call_id(kwargs: Any) -> str | None:
+    """LiteLLM's id of one call: in the kwargs of its hooks and events, and in the proxy's request data."""
+    if not isinstance(kwargs, Mapping):
+        return None
+    call = kwargs.get("litellm_call_id")
+    if not isinstance(call, str):
+        params = kwargs.get("litellm_params")
+        call = params.get("litellm_call_id") if isinstance(params, Mapping) else None
+    return call if isinstance(call, str) and call else None
 
 
 def _header(headers: Any, name: str) -> str | None:

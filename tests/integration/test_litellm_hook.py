@@ -4,6 +4,7 @@ in tests/e2e/test_litellm_real.py."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
@@ -27,12 +28,16 @@ def name(hook: SlotCacheHook, backend: Any, route: str, session: str) -> str:
 
 
 def kwargs(backend: Any, session: str | None, model: str = "smol", slot_cache: Any = True,
-           messages: list[dict[str, Any]] | None = None, group: str | None = None) -> dict[str, Any]:
+           messages: list[dict[str, Any]] | None = None, group: str | None = None,
+           call: str | None = None) -> dict[str, Any]:
     headers = {"x-session-id": session} if session is not None else {}
-    return {"model": f"openai/{model}", "api_base": f"{backend.url}/v1", "api_key": "none",
-            "messages": messages or user("hello"), "proxy_server_request": {"headers": headers},
-            "metadata": {"model_group": group or model},
-            "model_info": {"id": "x", "slot_cache": slot_cache} if slot_cache is not None else {"id": "x"}}
+    k = {"model": f"openai/{model}", "api_base": f"{backend.url}/v1", "api_key": "none",
+         "messages": messages or user("hello"), "proxy_server_request": {"headers": headers},
+         "metadata": {"model_group": group or model},
+         "model_info": {"id": "x", "slot_cache": slot_cache} if slot_cache is not None else {"id": "x"}}
+    if call is not None:
+        k["litellm_call_id"] = call
+    return k
 
 
 async def send(hook: SlotCacheHook, backend: Any, session: str | None, text: str, **extra: Any) -> dict[str, Any]:
@@ -168,3 +173,149 @@ async def test_router_model_about_to_be_unloaded_is_saved_first(slot_dir: str) -
     finally:
         await hook.close()
         router.stop()
+
+
+# ---- the slot pinned and held for the whole call ----
+
+async def upstream(backend: Any, k: dict[str, Any], stream: bool = False) -> httpx.Response:
+    """The request as LiteLLM sends it after the hook: the model without `openai/`, the hook's `extra_body`
+    merged into the body (as the OpenAI client does)."""
+    async with httpx.AsyncClient(timeout=30) as client:
+        r = await client.post(f"{backend.url}/v1/chat/completions", json={
+            "model": k["model"].removeprefix("openai/"), "messages": k["messages"], "max_tokens": 4,
+            "stream": stream, **(k.get("extra_body") or {})})
+    assert r.status_code == 200
+    return r
+
+
+async def call(hook: SlotCacheHook, backend: Any, session: str, text: str, call_id: str) -> dict[str, Any]:
+    """One LiteLLM call: the hook, the request, then LiteLLM's success event."""
+    k = kwargs(backend, session, messages=user(text), call=call_id)
+    k = await hook.async_pre_call_deployment_hook(k, "acompletion") or k
+    assert k["extra_body"] == {"id_slot": 0}
+    r = await upstream(backend, k)
+    await hook.async_log_success_event(k, r.json(), None, None)
+    return r.json()  # type: ignore[no-any-return]
+
+
+def saved_text(slot_dir: str, file: str) -> str:
+    from lpcache.mock_llama.slotfile import decode
+
+    with open(os.path.join(slot_dir, file), "rb") as f:
+        return "".join(decode(f.read()))
+
+
+async def test_two_sessions_at_once_are_each_saved_under_their_own_name(start_backend: Any, slot_dir: str) -> None:
+    """Two sessions' calls at the same time, over and over: every request runs in the hook's slot (pinned), and
+    every file holds its own session's conversation, never the other's."""
+    backend = start_backend(slots=2, prefill_ms_per_token=0.5)
+    hook = SlotCacheHook(environ={"LLAMA_SLOT_SAVE_PATH": slot_dir})
+    try:
+        a, b = words(1, 200), words(2, 200)
+        for turn in range(3):
+            await asyncio.gather(call(hook, backend, S1, a + f" turn {turn}", f"a{turn}"),
+                                 call(hook, backend, S2, b + f" turn {turn}", f"b{turn}"))
+        stats = mock_stats(backend)
+        assert stats["chat_by_slot"] == {"0": 6} and stats["slot_actions_while_busy"] == 0
+        assert stats["saves"] >= 3
+        files = {s: name(hook, backend, "smol", s) for s in (S1, S2)}
+        assert sorted(os.listdir(slot_dir)) == sorted(files.values())
+        one, two = saved_text(slot_dir, files[S1]), saved_text(slot_dir, files[S2])
+        assert "w1x" in one and "w2x" not in one
+        assert "w2x" in two and "w1x" not in two
+        assert hook.leases == {} and not any(s.lock.locked() for s in hook.states.values())
+    finally:
+        await hook.close()
+
+
+async def test_the_slot_is_held_until_the_answer_is_done(start_backend: Any, slot_dir: str) -> None:
+    backend = start_backend(slots=1)
+    hook = SlotCacheHook(environ={"LLAMA_SLOT_SAVE_PATH": slot_dir})
+    try:
+        first = await hook.async_pre_call_deployment_hook(
+            kwargs(backend, S1, messages=user(words(1, 100)), call="c1"), "acompletion")
+        assert first is not None and "c1" in hook.leases
+        second = asyncio.ensure_future(hook.async_pre_call_deployment_hook(
+            kwargs(backend, S2, messages=user(words(2, 100)), call="c2"), "acompletion"))
+        r = await upstream(backend, first)                # the first call's answer, while the second waits
+        assert not second.done() and mock_stats(backend)["saves"] == 0
+        await hook.async_log_success_event(first, r.json(), None, None)
+        k2 = await asyncio.wait_for(second, 30)           # now the slot is saved under S1's name, S2's turn
+        assert k2 is not None and set(hook.leases) == {"c2"}
+        assert os.listdir(slot_dir) == [name(hook, backend, "smol", S1)]
+        assert "w1x" in saved_text(slot_dir, name(hook, backend, "smol", S1))
+        await upstream(backend, k2)
+        await hook.async_post_call_success_hook(k2, None, {"ok": True})   # the proxy's own event also ends it
+        assert hook.leases == {}
+    finally:
+        await hook.close()
+
+
+async def test_the_slot_is_always_given_back(start_backend: Any, slot_dir: str,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    """A failed call, a stream the client leaves, a call LiteLLM retries, a call never reported: each frees the
+    slot."""
+    backend = start_backend(slots=1)
+    hook = SlotCacheHook(environ={"LLAMA_SLOT_SAVE_PATH": slot_dir})
+
+    def state() -> Any:
+        [s] = hook.states.values()
+        return s
+
+    async def pre(session: str, call_id: str, **extra: Any) -> dict[str, Any]:
+        k = await asyncio.wait_for(hook.async_pre_call_deployment_hook(
+            kwargs(backend, session, messages=user(words(int(session[0]), 50)), call=call_id, **extra),
+            "acompletion"), 30)
+        assert k is not None and call_id in hook.leases and state().lock.locked()
+        return k
+
+    try:
+        k = await pre(S1, "failed")
+        await hook.async_log_failure_event(k, None, None, None)
+        assert not state().lock.locked() and hook.leases == {}
+
+        k = await pre(S2, "proxy-failed")
+        await hook.async_post_call_failure_hook(k, RuntimeError("upstream"), None)
+        assert not state().lock.locked()
+
+        k = await pre(S1, "left")
+
+        async def chunks() -> Any:
+            for i in range(10):
+                yield {"chunk": i}
+
+        stream = hook.async_post_call_streaming_iterator_hook(None, chunks(), {"litellm_call_id": "left"})
+        assert await stream.__anext__() == {"chunk": 0}
+        assert state().lock.locked()
+        await stream.aclose()                             # the client left the stream
+        assert not state().lock.locked()
+
+        await pre(S2, "retried")
+        await pre(S2, "retried")                          # LiteLLM's retry of the same call: no deadlock
+        hook.done("retried", "test")
+        assert not state().lock.locked()
+
+        await pre(S1, "silent", slot_cache={"hold_seconds": 1})
+        with caplog.at_level("WARNING", logger="lpcache"):
+            deadline = asyncio.get_running_loop().time() + 10
+            while state().lock.locked():
+                assert asyncio.get_running_loop().time() < deadline, "the lease never expired"
+                await asyncio.sleep(0.02)
+        assert any("never said its answer was done" in r.getMessage() for r in caplog.records)
+        assert hook.leases == {}
+
+        await pre(S2, "open")
+        await hook.close()                                # closing frees what is still held
+        assert not state().lock.locked()
+    finally:
+        await hook.close()
+
+
+async def test_without_a_call_id_the_request_is_pinned_but_the_slot_not_held(hook: SlotCacheHook,
+                                                                            start_backend: Any) -> None:
+    backend = start_backend(slots=2)
+    k = await hook.async_pre_call_deployment_hook(kwargs(backend, S1, messages=user("hi")), "acompletion")
+    assert k is not None and k["extra_body"] == {"id_slot": 0}
+    assert hook.leases == {} and not any(s.lock.locked() for s in hook.states.values())
+    plain = kwargs(backend, None)
+    assert await hook.async_pre_call_deployment_hook(plain, "acompletion") is None and "extra_body" not in plain

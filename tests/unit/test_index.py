@@ -222,7 +222,7 @@ def test_load_skips_meta_with_wrong_type_n_words(make_index, tmp_path) -> None:
 
 def test_entry_from_document_accepts_legacy_model_field() -> None:
     p = prompt(text(4))
-    entry = entry_from_document("k", {"model": "m", "wpb": 2, "blocks": list(p.blocks)})
+    entry = entry_from_document("0" * 64, {"model": "m", "wpb": 2, "blocks": list(p.blocks)})
     assert entry.model == "m" and entry.chain == p.chain and entry.timestamp == 0.0
     assert entry.backend is None and entry.slot_save_path is None
 
@@ -691,3 +691,139 @@ async def test_files_an_idle_slot_holds_go_before_the_others(make_index) -> None
     idx.held = lambda: [d.key]            # the entry just saved goes too when its slot holds it
     removed = await idx.add(d, URL, None)
     assert [e.key for e in removed] == [d.key] and a.key in idx and c.key in idx
+
+
+# ---- keys confined to their folder, start-up on a hostile META_DIR, reconciliation of the folders ----
+
+def write_meta(meta_dir, name: str, doc: dict) -> str:
+    os.makedirs(meta_dir, exist_ok=True)
+    path = os.path.join(str(meta_dir), name)
+    with open(path, "wb") as f:
+        f.write(orjson.dumps(doc))
+    return path
+
+
+async def test_a_stray_meta_file_with_a_non_hex_key_is_skipped_and_never_deletes_a_file(make_index, folders, tmp_path,
+                                                                                       caplog) -> None:
+    a_dir, _ = folders
+    stray = prompt(text(6, tag="s"))
+    write_meta(tmp_path / "meta", "important.txt.meta.json", meta_document(stray, 2, 1.0, None, a_dir))
+    victim = kv_file(a_dir, "important.txt")
+    idx = make_index(wpb=2, meta_max=1, slot_save_paths=[a_dir])
+    with caplog.at_level("WARNING", logger="lpcache.index"):
+        assert idx.load() == 0
+    assert [r.message for r in caplog.records if "important.txt" in r.message][0].startswith("meta_skipped")
+    await idx.add(prompt(text(6)), URL, a_dir)
+    await idx.add(prompt(text(6, tag="x")), URL, a_dir)    # prunes: the stray one is not an entry to prune
+    assert exists(victim)
+
+
+async def test_a_meta_file_naming_another_folder_never_deletes_outside_the_slot_folders(make_index, folders,
+                                                                                      tmp_path) -> None:
+    """A meta file's `slot_save_path` says where lpcache once saved; deletions only ever happen in the folders
+    lpcache was given."""
+    a_dir, _ = folders
+    outside = tmp_path / "home"
+    outside.mkdir()
+    old = prompt(text(6, tag="o"))
+    write_meta(tmp_path / "meta", old.key + ".meta.json", meta_document(old, 2, 1.0, None, str(outside)))
+    victim = kv_file(outside, old.key)
+    ours = kv_file(a_dir, old.key)
+    idx = make_index(wpb=2, meta_max=1, slot_save_paths=[a_dir])
+    assert idx.load() == 1
+    await idx.add(prompt(text(6)), URL, a_dir)     # over META_MAX: the old entry goes
+    assert old.key not in idx and not meta_exists(idx, old.key)
+    assert exists(victim) and not exists(ours)
+
+
+def test_inside_keeps_every_name_in_its_folder() -> None:
+    from lpcache.index import inside, valid_key
+
+    assert inside("/kv", "a" * 64) == "/kv/" + "a" * 64
+    for name in ("", ".", "..", "../x", "/etc/passwd", "a/b", "a\\b", "a\0b"):
+        assert inside("/kv", name) is None
+    assert valid_key("0123456789abcdef" * 4)
+    for key in ("A" * 64, "a" * 63, "a" * 65, "../" + "a" * 61, "g" * 64, None, 3):
+        assert not valid_key(key)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_a_fifo_named_like_a_meta_file_is_skipped_without_opening_it(make_index, tmp_path, caplog) -> None:
+    meta = tmp_path / "meta"
+    meta.mkdir()
+    os.mkfifo(meta / ("f" * 64 + ".meta.json"))   # opening it for reading would wait for a writer forever
+    os.mkdir(meta / ("d" * 64 + ".meta.json"))
+    good = prompt(text(6))
+    write_meta(meta, good.key + ".meta.json", meta_document(good, 2, 1.0, None, None))
+    idx = make_index(wpb=2)
+    with caplog.at_level("WARNING", logger="lpcache.index"):
+        assert idx.load() == 1
+    assert sum("not a regular file" in r.message for r in caplog.records) == 2
+
+
+def test_meta_skipped_lines_are_bounded(make_index, tmp_path, caplog) -> None:
+    meta = tmp_path / "meta"
+    meta.mkdir()
+    for i in range(50):
+        (meta / f"{i:064x}.meta.json").write_bytes(b"not json")
+    idx = make_index(wpb=2)
+    with caplog.at_level("WARNING", logger="lpcache.index"):
+        assert idx.load() == 0
+    lines = [r.message for r in caplog.records if r.message.startswith("meta_skipped")]
+    assert len(lines) == 21 and lines[-1].startswith("meta_skipped count=50")
+
+
+def test_check_meta_dir_says_what_is_wrong_in_one_line(tmp_path) -> None:
+    from lpcache.errors import ConfigError
+    from lpcache.index import check_meta_dir
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    for bad, said in ((a_file, "is not a folder"), (a_file / "sub", "cannot create")):
+        with pytest.raises(ConfigError) as e:
+            check_meta_dir(str(bad))
+        assert said in str(e.value) and "\n" not in str(e.value) and e.value.variable == "META_DIR"
+    check_meta_dir(str(tmp_path / "new" / "meta"))
+    assert (tmp_path / "new" / "meta").is_dir()
+
+
+async def test_a_save_is_marked_until_its_meta_file_is_written(make_index, folders) -> None:
+    a_dir, _ = folders
+    idx = make_index(wpb=2, slot_save_paths=[a_dir])
+    idx.load()
+    p, q = prompt(text(6)), prompt(text(6, tag="q"))
+    marker = os.path.join(idx.meta_dir, p.key + ".saving")
+    await idx.saving(p.key, a_dir)
+    assert exists(marker)
+    await idx.add(p, URL, a_dir)
+    assert not exists(marker) and meta_exists(idx, p.key)
+    await idx.saving(q.key, a_dir)
+    await idx.forget(q.key, a_dir)                  # a failed save: the marker goes with it
+    assert not exists(os.path.join(idx.meta_dir, q.key + ".saving"))
+    await idx.saving("not-a-key", a_dir)            # never a file named by something else than a key
+    assert not exists(os.path.join(idx.meta_dir, "not-a-key.saving"))
+
+
+async def test_start_reconciles_the_folders_by_the_stated_rule(make_index, folders, tmp_path, caplog) -> None:
+    """A file lpcache marked and never recorded is deleted; a marked file whose meta exists is kept; a session
+    file, a 64-hex file without marker (the Rust lpcache's naming), proxycache's and the user's own files are
+    left alone."""
+    a_dir, b_dir = folders
+    meta = tmp_path / "meta"
+    kept, lost = prompt(text(6, tag="k")), prompt(text(6, tag="l"))
+    write_meta(meta, kept.key + ".meta.json", meta_document(kept, 2, 1.0, URL, a_dir))
+    (meta / (kept.key + ".saving")).write_bytes(b"")       # a re-save of a recorded cache, interrupted
+    (meta / (lost.key + ".saving")).write_bytes(b"")       # a save whose meta file was never written
+    (meta / ("e" * 64 + ".meta.json.tmp-123")).write_bytes(b"{")
+    kv_kept, kv_lost, kv_lost_b = kv_file(a_dir, kept.key), kv_file(a_dir, lost.key), kv_file(b_dir, lost.key)
+    others = [kv_file(a_dir, "c" * 64), kv_file(a_dir, "Qwen3-1a2b3c4d_" + "0" * 32 + ".bin"),
+              kv_file(a_dir, "slotcache_" + "1" * 64 + ".bin"), kv_file(a_dir, "notes.txt")]
+    idx = make_index(wpb=2, slot_save_paths=[a_dir, b_dir])
+    with caplog.at_level("INFO", logger="lpcache.index"):
+        assert idx.load() == 1
+    assert exists(kv_kept) and not exists(kv_lost) and not exists(kv_lost_b)
+    assert all(exists(p) for p in others)
+    assert sorted(os.listdir(meta)) == [kept.key + ".meta.json"]
+    messages = [r.message for r in caplog.records]
+    assert sum(m.startswith(f"kv_file_removed key={lost.key}") and "reason=unrecorded" in m for m in messages) == 2
+    assert any(m.startswith(f"kv_files_unknown folder={a_dir} count=1 ") for m in messages)

@@ -70,3 +70,62 @@ def test_the_book_lists_and_finds_only_the_owners_sessions() -> None:
     assert [i.file for i in book.all("a")] == ["fa"] and [i.file for i in book.all()] == ["fn"]
     assert book.of_session(GOOD, owner="b").file == "fb"  # type: ignore[union-attr]
     assert book.of_session(GOOD, owner="c") is None
+
+
+# ---- the book's memory: summaries of prompts, not the prompts ----
+
+def long_text(n: int, seed: str = "x") -> str:
+    return "".join(f"{seed}{i:07d} " for i in range(n // 9 + 1))[:n]
+
+
+def test_a_long_prompt_is_kept_as_digests_and_compared_to_the_chunk() -> None:
+    from lpcache.sessions import CHUNK_MIN_CHARS, TEXT_KEPT_CHARS, Summary
+
+    story = long_text(200_000)
+    first = msgs("You write stories.", story)
+    summary = Summary.of(first)
+    assert summary.kept is None and summary.nbytes < 20_000 < len(story)
+    assert Summary.of(msgs("sys", "hello")).kept is not None
+    assert sum(len(t) for t in ("sys", "hello")) <= TEXT_KEPT_CHARS
+
+    cut = 150_000 + 37                                  # the story changes in the middle of a chunk
+    second = msgs("You write stories.", story[:cut] + " and then something else")
+    exact, summed = compare(first, second), compare(summary, second)
+    assert exact.message == summed.message == 1 and exact.role == summed.role == "user"
+    chunk = summary.chunk
+    assert chunk >= CHUNK_MIN_CHARS
+    assert summed.message_shared_chars == cut - cut % chunk            # whole chunks: a lower bound
+    assert cut - chunk < summed.message_shared_chars <= cut
+    assert summed.previous_message_chars == len(story) and summed.message_chars == len(second[1]["content"])
+
+    grown = msgs("You write stories.", story, "an answer", "a question")   # the whole old prompt shared: exact
+    c = compare(summary, grown)
+    assert c.message == 2 and c.shared_chars == len("You write stories.") + len(story)
+    assert compare(summary, first).same
+    assert compare(summary, msgs("You write stories!", story)).message_shared_chars == 0   # first chunk differs
+    longer_last = msgs("You write stories.", story + " more")
+    assert compare(summary, longer_last).last_shared_chars == len(story)
+
+
+def test_the_book_is_bounded_by_count_and_bytes() -> None:
+    from lpcache.sessions import SessionBook, Summary
+
+    book = SessionBook(limit=3)
+    for i in range(5):
+        book.seen(f"f{i}", f"{i:032x}", "m", msgs("sys", f"hello {i}"), float(i))
+    assert len(book) == 3 and [info.file for info in book.all()] == ["f4", "f3", "f2"]
+
+    big = msgs("sys", long_text(300_000))
+    per_session = Summary.of(big).nbytes
+    book = SessionBook(limit=1024, budget=3 * per_session)
+    for i in range(10):
+        book.seen(f"f{i}", f"{i:032x}", "m", big, float(i))
+    assert len(book) == 3 and book.bytes <= 3 * per_session
+    assert book.bytes == sum(i.summary.nbytes for i in book.all() if i.summary is not None)
+    again = book.seen("f9", f"{9:032x}", "m", big, 10.0)
+    assert again.comparison is not None and again.comparison.same
+
+    tiny = SessionBook(budget=100)                       # one summary alone over the budget: not compared
+    info = tiny.seen("f", "0" * 32, "m", big, 0.0)
+    assert info.summary is None and tiny.bytes == 0
+    assert tiny.seen("f", "0" * 32, "m", big, 1.0).comparison is None
