@@ -284,7 +284,9 @@ OPTIONS: tuple[Option, ...] = (
            "(0..1).", metavar="RATIO"),
     Option("META_DIR", "--meta-dir", _text, "./kv_meta", "Folder of the <key>.meta.json files.", metavar="DIR"),
     Option("META_MAX", "--meta-max", _int(0), "10",
-           "Most meta files kept, least recently used deleted first with their KV files; 0 = no limit.",
+           "Most meta files kept, with their KV files; 0 = no limit. First deleted: files a later turn moved on from, "
+           "then those an idle slot holds (saved again before it is replaced), then those needed furthest in the "
+           "future. A file chosen for a restore not run yet is neither deleted nor counted.",
            metavar="N"),
     Option("META_MAX_GIB", "--meta-max-gib", _gib_or_auto, "auto",
            "Most GiB of prefix-mode cache files kept (besides META_MAX), the ones least likely to be used again "

@@ -273,6 +273,7 @@ class MetaIndex:
         self._ends: dict[str, dict[int, str | set[str]]] = {}
         self._protected: dict[str, int] = {}
         self._moved_on: OrderedDict[str, None] = OrderedDict()   # entries a later save continues (`_continued`)
+        self._why: dict[str, str] = {}   # why an entry the limits removed goes, until its files are deleted
         # The keys whose content an idle slot holds as saved (set by the pipeline): their files go first when the
         # limits bite, since a slot's cache is saved again before anything replaces it (see `_over_limit`).
         self.held: Callable[[], Collection[str]] = tuple
@@ -531,8 +532,8 @@ class MetaIndex:
         if entry is None:
             return
         self._remove(entry)
+        self._why[key] = why
         await self._run(self._write_and_delete, None, b"", [entry])
-        log.info("meta_removed key=%s reason=%s", key, why)
 
     def file_present(self, entry: MetaEntry, slot_save_path: str | None) -> bool | None:
         """Whether the entry's KV file is in the folder a server reads (None: the folder is not visible here)."""
@@ -621,34 +622,47 @@ class MetaIndex:
         3. the rest, by the replacement order (`eviction`): the one needed furthest in the future first.
         """
         spare = {keep, *self._protected}
-        removed = self._evict_among(list(self._moved_on), spare)
-        removed += self._evict_among(self.held(), self._protected)   # the entry just saved too, when a slot has it
+        removed = self._evict_among(list(self._moved_on), spare, "moved_on")
+        removed += self._evict_among(self.held(), self._protected, "in_slot")   # the one just saved too, if held
         if self._over():
-            for key in self._usage.victims(time.time(), self.meta_max, self.max_bytes, spare):
+            count, size = self._limits()
+            for key in self._usage.victims(time.time(), count, size, spare):
                 entry = self._entries.get(key)
                 if entry is not None:
-                    self._evict_entry(entry)
+                    self._evict_entry(entry, "limit")
                     removed.append(entry)
         self.evicted += len(removed)
         return removed
 
     def _over(self) -> bool:
-        return (self.meta_max > 0 and len(self._entries) > self.meta_max) or (
-            self.max_bytes > 0 and self._usage.total_bytes > self.max_bytes)
+        count, size = self._limits()
+        return (count > 0 and len(self._entries) > count) or (size > 0 and self._usage.total_bytes > size)
 
-    def _evict_among(self, keys: Iterable[str], spare: Collection[str]) -> list[MetaEntry]:
+    def _limits(self) -> tuple[int, int]:
+        """META_MAX and META_MAX_GIB (0: none), not counting the files chosen for restores that have not run yet:
+        such a restore replaces a slot's cache, which is saved first, so for a moment both files are needed; once
+        restored, the chosen file is held by its slot and the next save makes room (`moved_on`, `in_slot`)."""
+        if not self._protected:
+            return self.meta_max, self.max_bytes
+        chosen = [u for k in self._protected if (u := self._usage.get(k)) is not None]
+        return (self.meta_max + len(chosen) if self.meta_max > 0 else 0,
+                self.max_bytes + sum(u.size for u in chosen) if self.max_bytes > 0 else 0)
+
+    def _evict_among(self, keys: Iterable[str], spare: Collection[str], why: str) -> list[MetaEntry]:
         removed: list[MetaEntry] = []
         for key in keys:
             if not self._over():
                 break
             entry = self._entries.get(key)
             if entry is not None and key not in spare:
-                self._evict_entry(entry)
+                self._evict_entry(entry, why)
                 removed.append(entry)
         return removed
 
-    def _evict_entry(self, entry: MetaEntry) -> None:
-        """Out of the index, its usage kept as a ghost (a later save of its conversation takes it over)."""
+    def _evict_entry(self, entry: MetaEntry, why: str) -> None:
+        """Out of the index, its usage kept as a ghost (a later save of its conversation takes it over); `why` is
+        logged with its deletion."""
+        self._why[entry.key] = why
         usage = self._usage.get(entry.key)
         if usage is not None and not entry.foreign:
             self._ghosts[(entry.fingerprint or "", entry.exact[-1])] = usage
@@ -771,13 +785,14 @@ class MetaIndex:
                 log.warning("meta_write_failed key=%s reason=%s", key, e)
             _unlink(self._marker_path(key))   # recorded (or not: the file is then unknown, never deleted)
         for entry in removed:
+            why = self._why.pop(entry.key, "redundant")
             if entry.key in self._entries:
                 continue   # saved again meanwhile (same name): its new file and meta stay
             _unlink(self._meta_path(entry.key))
             for folder, path in self._kv_paths(entry):
                 if _unlink(path):
                     log.debug("kv_file_removed key=%s folder=%s", entry.key, folder)
-            log.info("meta_removed key=%s", entry.key)
+            log.info("meta_removed key=%s reason=%s", entry.key, why)
 
     def _bump_file(self, key: str, timestamp: float, uses: int, interval: float | None) -> None:
         path = self._meta_path(key)

@@ -827,3 +827,19 @@ async def test_start_reconciles_the_folders_by_the_stated_rule(make_index, folde
     messages = [r.message for r in caplog.records]
     assert sum(m.startswith(f"kv_file_removed key={lost.key}") and "reason=unrecorded" in m for m in messages) == 2
     assert any(m.startswith(f"kv_files_unknown folder={a_dir} count=1 ") for m in messages)
+
+
+async def test_a_file_chosen_for_a_restore_is_not_counted_until_restored(make_index, caplog) -> None:
+    """The restore replaces a slot's cache, saved again first: for a moment both files are needed, and the limit
+    must not delete a third conversation's file for it."""
+    idx = make_index(wpb=2, meta_max=2)
+    a, b, c, d = (prompt(text(10, tag=t)) for t in ("a", "b", "c", "d"))
+    await idx.add(a, URL, None)
+    await idx.add(b, URL, None)
+    idx.protect(a.key)
+    assert await idx.add(c, URL, None) == [] and len(idx) == 3
+    idx.unprotect(a.key)
+    with caplog.at_level("INFO", logger="lpcache.index"):
+        removed = await idx.add(d, URL, None)
+    assert len(removed) == 2 and len(idx) == 2 and d.key in idx
+    assert all(f"meta_removed key={e.key} reason=limit" in caplog.text for e in removed)
