@@ -634,6 +634,16 @@ class MetaIndex:
         self.evicted += len(removed)
         return removed
 
+    def over(self) -> bool:
+        """Beyond the limits: left so for a moment by a save while a restore was chosen (see `_limits`)."""
+        return self._over()
+
+    async def enforce(self) -> None:
+        """Delete what the limits say, now that nothing may be waiting to be restored (see `_over_limit`)."""
+        removed = self._over_limit(keep="")
+        if removed:
+            await self._run(self._write_and_delete, None, b"", removed)
+
     def _over(self) -> bool:
         count, size = self._limits()
         return (count > 0 and len(self._entries) > count) or (size > 0 and self._usage.total_bytes > size)
@@ -676,28 +686,40 @@ class MetaIndex:
         changes only the last lines (a task after a growing document, a regenerated last message); in any folder:
         the conversation has moved on to the new save's server. They stay while there is room, and go first when
         there is not; the new entry takes their rhythm over."""
-        table = self._exact.get(new.fingerprint or "") if not new.foreign else None
+        if new.foreign:
+            return []
+        return self._ends_within(new.fingerprint or "", new.exact, {new.key, *(r.key for r in redundant)})
+
+    def covered(self, fingerprint: str | None, chain: Sequence[int]) -> list[str]:
+        """The entries a cache of this identity chain holds all of but a short end (a slot's cache that continued
+        them): while a slot holds it and saves it before replacing it, their files can go."""
+        if fingerprint is None or not chain:
+            return []
+        return [e.key for e in self._ends_within(fingerprint, chain, ())]
+
+    def _ends_within(self, fingerprint: str, chain: Sequence[int], skip: Collection[str]) -> list[MetaEntry]:
+        """Entries of the model sharing all of their identity chain with `chain` but at most MOVED_ON_TAIL blocks,
+        looked for among the holders of the last 8 levels `chain` shares with any entry (at most 64 a level)."""
+        table = self._exact.get(fingerprint)
         if not table:
             return []
-        holders: str | set[str] | None = None
-        depth = 0
-        for digest in new.exact:
+        levels: list[str | set[str]] = []
+        for digest in chain:
             found = table.get(digest)
             if found is None:
                 break
-            holders, depth = found, depth + 1
-        if holders is None:
-            return []
-        out = []
-        skip = {new.key, *(r.key for r in redundant)}
-        for n, key in enumerate((holders,) if isinstance(holders, str) else holders):
-            if n >= 64:
-                break
-            e = self._entries[key]
-            tail = len(e.exact) - depth
-            if key not in skip and tail <= max(MOVED_ON_TAIL[0], MOVED_ON_TAIL[1] * len(e.exact)):
-                out.append(e)
-        return out
+            levels.append(found)
+        out: dict[str, MetaEntry] = {}
+        for depth in range(len(levels), max(0, len(levels) - 8), -1):
+            holders = levels[depth - 1]
+            for n, key in enumerate((holders,) if isinstance(holders, str) else holders):
+                if n >= 64:
+                    break
+                e = self._entries[key]
+                if key not in skip and key not in out and (
+                        len(e.exact) - depth <= max(MOVED_ON_TAIL[0], MOVED_ON_TAIL[1] * len(e.exact))):
+                    out[key] = e
+        return list(out.values())
 
     def _ghost_of(self, entry: MetaEntry, now: float) -> list[Usage]:
         """The usage of a deleted entry whose conversation this new save continues (its chain passes through the

@@ -146,6 +146,8 @@ class Saver:
         finally:   # a cancellation (shutdown) included
             lease.give_back(content)
             self.schedule_idle_save(choice.slot, backend)
+            if self.index.over():   # a restore's file may now be held by its slot: the limits hold again
+                self.spawn(self.index.enforce())
             self.notify(record)
 
     async def save_session(self, choice: Choice, backend: Backend, content: Content,

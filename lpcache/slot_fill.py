@@ -63,11 +63,20 @@ class SlotFiller:
         index.held = self.held_keys
 
     def held_keys(self) -> list[str]:
-        """The saved prefix caches idle slots hold and can save again before they are replaced (`prepare`): the
-        index deletes their files first when its limits bite."""
-        return [s.content.key for s in self.pool.slots
-                if not s.busy and s.content is not None and s.content.saved and resavable(s.content)
-                and self.enabled(self.backends[s.backend], s.content.model)]
+        """The prefix caches whose files can go first when the index's limits bite, because an idle slot holds
+        them, or a cache that continues them, and saves it before anything replaces it (`prepare`): its own
+        file, and the files it holds all of but a short end (with SAVE_POLICY=evict, its conversation's earlier
+        turn, restored into it)."""
+        keys: list[str] = []
+        for s in self.pool.slots:
+            content = s.content
+            if s.busy or content is None or not resavable(content) or not self.enabled(self.backends[s.backend],
+                                                                                       content.model):
+                continue
+            if content.saved:
+                keys.append(content.key)
+            keys += self.index.covered(content.fingerprint, content.chain)
+        return keys
 
     # ---- what may be cached where ----
 

@@ -257,17 +257,19 @@ def test_prompt_key_is_exact() -> None:
     assert a.key != b.key
 
 
+@pytest.mark.parametrize("policy", ["eager", "evict"])
 @pytest.mark.parametrize("edit", [False, True], ids=["chat", "document"])
 def test_files_and_slots_together_hold_a_working_set_that_only_fits_in_both(start_backend: Any, start_proxy: Any,
-                                                                           edit: bool) -> None:
+                                                                           edit: bool, policy: str) -> None:
     """Three conversations take turns on two slots with META_MAX 2: the files alone cannot hold them and a restore
     needs its file and the replaced slot's (saved again) at once, but the files and the other slot can. The limits
     delete the files of what an idle slot holds first, and a slot's cache whose file was deleted is saved again
-    before a restore replaces it, so after the first round every turn is a hit. `document`:
+    before a restore replaces it (with SAVE_POLICY=evict: saved then, first), so after the first round every turn
+    is a hit. `document`:
     each turn changes the end of the previous prompt (a task line after a growing text), so no file is a prefix of
     the next turn's: the previous turn's file must go before any conversation's latest."""
     backend = start_backend(slots=2, prefill_ms_per_token=PREFILL)
-    proxy = start_proxy(backend, meta_max=2, big_threshold_words=20)
+    proxy = start_proxy(backend, meta_max=2, big_threshold_words=20, save_policy=policy)
     convs = [chats.Conversation(90 + i, turns=8, n_words=300) for i in range(3)]
     texts = [chats.assistant_text(100 + i) * 8 for i in range(3)]
 
