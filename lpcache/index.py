@@ -272,6 +272,7 @@ class MetaIndex:
         self._words: dict[str, dict[int, str | set[str]]] = {}
         self._ends: dict[str, dict[int, str | set[str]]] = {}
         self._protected: dict[str, int] = {}
+        self._saving: set[str] = set()   # keys whose save is out (`saving`) and not recorded yet: never deleted
         self._moved_on: OrderedDict[str, None] = OrderedDict()   # entries a later save continues (`_continued`)
         # The keys whose content an idle slot holds as saved (set by the pipeline): their files go first when the
         # limits bite, since a slot's cache is saved again before anything replaces it (see `_over_limit`).
@@ -461,6 +462,7 @@ class MetaIndex:
         continued = self._continued(entry, removed)
         history = [*self._ghost_of(entry, now), *(u for c in continued if (u := self._usage.get(c.key)) is not None)]
         self._insert(entry, [r.key for r in removed], history)   # it takes over their history
+        self._saving.discard(key)
         for r in removed:
             self._remove(r)
         for c in continued:
@@ -479,6 +481,7 @@ class MetaIndex:
             return
         if slot_save_path:
             self._folders.add(slot_save_path)
+        self._saving.add(key)   # until `add` or `forget`: a deletion queued meanwhile would unlink the new file
         await self._run(self._mark, key)
 
     def _mark(self, key: str) -> None:
@@ -548,6 +551,7 @@ class MetaIndex:
         entry = self._entries.get(key)
         if entry is not None:
             self._remove(entry)
+        self._saving.discard(key)
         if slot_save_path:
             self._folders.add(slot_save_path)
 
@@ -610,8 +614,8 @@ class MetaIndex:
         return found
 
     def _over_limit(self, keep: str) -> list[MetaEntry]:
-        """Delete until META_MAX and META_MAX_GIB hold, never a protected entry, and `keep` (the entry just saved)
-        only when an idle slot holds it, in this order:
+        """Delete until META_MAX and META_MAX_GIB hold, never a protected entry nor one being saved again (its
+        file is being rewritten), and `keep` (the entry just saved) only when an idle slot holds it, in this order:
 
         1. files a later save of the same conversation has moved on from (`_continued`): it holds all of theirs but
            a short end, oldest first;
@@ -620,9 +624,10 @@ class MetaIndex:
            hold the caches no slot has (META_MAX files plus one per slot in all);
         3. the rest, by the replacement order (`eviction`): the one needed furthest in the future first.
         """
-        spare = {keep, *self._protected}
+        spare = {keep, *self._protected, *self._saving}
         removed = self._evict_among(list(self._moved_on), spare)
-        removed += self._evict_among(self.held(), self._protected)   # the entry just saved too, when a slot has it
+        # the entry just saved too, when a slot has it
+        removed += self._evict_among(self.held(), {*self._protected, *self._saving})
         if self._over():
             for key in self._usage.victims(time.time(), self.meta_max, self.max_bytes, spare):
                 entry = self._entries.get(key)
