@@ -164,7 +164,7 @@ def test_a_slow_head_is_cut_off(start_proxy: Any, backend: Any) -> None:
                 break
         answer = read_until_closed(sock, deadline)
     elapsed = time.monotonic() - started
-    assert 0.5 <= elapsed < 5, elapsed
+    assert 0.4 <= elapsed < 5, elapsed   # the deadline runs from the accept, a little before `started`
     status, doc = status_and_json(answer)
     assert status == 408 and doc["error"]["code"] == "request_timeout"
 
