@@ -125,6 +125,16 @@ class Group:
         while not self.done:
             await self._changed.wait()
 
+    async def failed_before_start(self) -> bool:
+        """Wait for a streamed answer's first chunk, or the group's end: True when no byte of a 200 answer came
+        (an error answer, or a failure). A streaming follower then answers the error's status and JSON body, as the
+        leader's client got it, not a 200 stream holding one error event."""
+        while not self.done and not (self.stream and self._chunks):
+            await self._changed.wait()
+        if self._status is not None:
+            return self._status != 200
+        return self._error is not None and not (self.stream and self._chunks)
+
     def body(self) -> bytes:
         if self._body is None or not self.done:
             self._body = b"".join(self._chunks)

@@ -69,12 +69,14 @@ class ApiKeys:
         self.keys = [k.encode() for k in keys]
 
     def allowed(self, scope: Scope) -> bool:
+        """The first Authorization header decides: the one the rest of lpcache reads (`client_identity`: whose
+        session, whose coalesced call), so no request passes with a key that is not its identity."""
         for name, value in scope["headers"]:
             if name == b"authorization":
                 token = bearer_token(value.decode("latin-1"))
-                if token is not None:
-                    # compare with every key, so the time taken does not tell which one nearly matched
-                    return any([hmac.compare_digest(token.encode("latin-1"), k) for k in self.keys])
+                # compare with every key, so the time taken does not tell which one nearly matched
+                return token is not None and any([hmac.compare_digest(token.encode("latin-1"), k)
+                                                  for k in self.keys])
         return False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

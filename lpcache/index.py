@@ -272,6 +272,7 @@ class MetaIndex:
         self._words: dict[str, dict[int, str | set[str]]] = {}
         self._ends: dict[str, dict[int, str | set[str]]] = {}
         self._protected: dict[str, int] = {}
+        self._saving: set[str] = set()   # keys whose save is out (`saving`) and not recorded yet: never deleted
         self._moved_on: OrderedDict[str, None] = OrderedDict()   # entries a later save continues (`_continued`)
         self._why: dict[str, str] = {}   # why an entry the limits removed goes, until its files are deleted
         # The keys whose content an idle slot holds as saved (set by the pipeline): their files go first when the
@@ -462,6 +463,7 @@ class MetaIndex:
         continued = self._continued(entry, removed)
         history = [*self._ghost_of(entry, now), *(u for c in continued if (u := self._usage.get(c.key)) is not None)]
         self._insert(entry, [r.key for r in removed], history)   # it takes over their history
+        self._saving.discard(key)
         for r in removed:
             self._remove(r)
         for c in continued:
@@ -480,6 +482,7 @@ class MetaIndex:
             return
         if slot_save_path:
             self._folders.add(slot_save_path)
+        self._saving.add(key)   # until `add` or `forget`: a deletion queued meanwhile would unlink the new file
         await self._run(self._mark, key)
 
     def _mark(self, key: str) -> None:
@@ -549,6 +552,7 @@ class MetaIndex:
         entry = self._entries.get(key)
         if entry is not None:
             self._remove(entry)
+        self._saving.discard(key)
         if slot_save_path:
             self._folders.add(slot_save_path)
 
@@ -611,8 +615,8 @@ class MetaIndex:
         return found
 
     def _over_limit(self, keep: str) -> list[MetaEntry]:
-        """Delete until META_MAX and META_MAX_GIB hold, never a protected entry, and `keep` (the entry just saved)
-        only when an idle slot holds it, in this order:
+        """Delete until META_MAX and META_MAX_GIB hold, never a protected entry nor one being saved again (its
+        file is being rewritten), and `keep` (the entry just saved) only when an idle slot holds it, in this order:
 
         1. files a later save of the same conversation has moved on from (`_continued`): it holds all of theirs but
            a short end, oldest first;
@@ -621,9 +625,10 @@ class MetaIndex:
            hold the caches no slot has (META_MAX files plus one per slot in all);
         3. the rest, by the replacement order (`eviction`): the one needed furthest in the future first.
         """
-        spare = {keep, *self._protected}
+        spare = {keep, *self._protected, *self._saving}
         removed = self._evict_among(list(self._moved_on), spare, "moved_on")
-        removed += self._evict_among(self.held(), self._protected, "in_slot")   # the one just saved too, if held
+        # the entry just saved too, when a slot has it
+        removed += self._evict_among(self.held(), {*self._protected, *self._saving}, "in_slot")
         if self._over():
             count, size = self._limits()
             for key in self._usage.victims(time.time(), count, size, spare):

@@ -104,7 +104,7 @@ class Pipeline:
             if served is not None:
                 return ServedRelay(served, record, self.notify, self.spawn, view)
             listeners = answer_wanted_by(self.prefilters, view)
-        want = self.session_cache(request, prompt, body["messages"], record)
+        want = await self.session_cache(request, prompt, body["messages"], record, len(raw))
         if call.big:
             body["cache_prompt"] = True
 
@@ -151,11 +151,11 @@ class Pipeline:
             return SseRelay(attempts, record, watch, self.settings.stream_queue_size, started)
         return JsonRelay(attempts, record, watch)
 
-    def session_cache(self, request: Request, prompt: Prompt, messages: list[Any],
-                      record: RequestRecord) -> Content | None:
+    async def session_cache(self, request: Request, prompt: Prompt, messages: list[Any], record: RequestRecord,
+                            size: int) -> Content | None:
         """Session mode: a valid X-Session-ID keys the request by route, model identity and session. Returns the
         cache the slot must hold (its file name is `<route tag>_<session>.bin`), or None for prefix mode. Logs
-        where the prompt first differs from the session's previous one."""
+        where the prompt first differs from the session's previous one (a big prompt's compared off the loop)."""
         header = request.headers.get("x-session-id")
         sid = session_id(header)
         if sid is None:
@@ -167,7 +167,8 @@ class Pipeline:
         owner = self.owner(request)
         name = session_filename(route, sid, fingerprint, owner)
         record.session = sid
-        info = self.sessions.seen(name, sid, route, messages, time.time(), owner)
+        read = await off_loop(size, self.sessions.read, name, messages)
+        info = self.sessions.seen(name, sid, route, messages, time.time(), owner, read)
         if info.comparison is not None:
             log.info("session_prompt file=%s %s", name, info.comparison.log_line())
         return Content(name, prompt.exact, keep=True, session=sid, model=prompt.model, fingerprint=fingerprint)

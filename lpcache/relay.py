@@ -284,7 +284,7 @@ class FollowerRelay:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            if self.stream:
+            if self.stream and not await self.group.failed_before_start():
                 started = False
                 async for chunk in self.group.as_stream():
                     if not started:

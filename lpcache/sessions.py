@@ -262,18 +262,27 @@ class SessionBook:
     def __len__(self) -> int:
         return len(self._by_file)
 
+    def read(self, file: str, messages: Sequence[Any]) -> tuple[Summary, Comparison | None]:
+        """The work `seen` does in proportion to the prompt: its summary, and its comparison with the session's
+        previous one. Changes nothing, so a big prompt's may run in a worker thread (`chat_request.off_loop`)."""
+        info = self._by_file.get(file)
+        previous = info.summary if info is not None else None
+        return Summary.of(messages), None if previous is None else compare(previous, messages)
+
     def seen(self, file: str, session: str, route: str, messages: Sequence[Any], now: float,
-             owner: str | None = None) -> SessionInfo:
-        """A request of the session arrived: count it, and compare its prompt with the previous one. `owner`: the
-        client key's digest (it names the file too, so one file never has two owners)."""
+             owner: str | None = None, read: tuple[Summary, Comparison | None] | None = None) -> SessionInfo:
+        """A request of the session arrived: count it, and compare its prompt with the previous one (`read`: that
+        work done already). `owner`: the client key's digest (it names the file too, so one file never has two
+        owners)."""
+        summary, comparison = self.read(file, messages) if read is None else read
         info = self._by_file.pop(file, None) or SessionInfo(session, route, file, owner=owner)
         self._by_file[file] = info
         if info.summary is not None:
-            info.comparison = compare(info.summary, messages)
+            info.comparison = comparison
             self.bytes -= info.summary.nbytes
         info.requests += 1
         info.last_use = now
-        info.summary = Summary.of(messages)
+        info.summary = summary
         self.bytes += info.summary.nbytes
         while len(self._by_file) > self.limit or (self.bytes > self.budget and len(self._by_file) > 1):
             self._forget(next(iter(self._by_file)))

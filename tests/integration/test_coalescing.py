@@ -134,6 +134,27 @@ def test_followers_get_the_leaders_error(start_backend: Any, start_proxy: Any) -
     assert proxy.busy_slots() == [] and len(proxy.pipeline.coalescer) == 0
 
 
+@pytest.mark.parametrize("leader_streams", [True, False])
+def test_a_streaming_follower_gets_a_backend_error_as_its_leader_did(start_backend: Any, start_proxy: Any,
+                                                                      leader_streams: bool) -> None:
+    """An error answer before any byte (a 400 with llama-server's own fields) reaches a streaming follower with its
+    status and JSON body, as it would alone: not as a 200 stream holding one error event."""
+    backend = start_backend()
+    proxy = start_proxy(backend, coalesce_requests=True)
+    httpx.post(f"{backend.url}/mock/faults", json={"status": 400, "latency_ms": 600})
+    with ThreadPoolExecutor(2) as pool:
+        leader = pool.submit(send, proxy, leader_streams)
+        until(lambda: len(proxy.pipeline.coalescer) == 1)
+        follower = pool.submit(send, proxy, True).result()
+        alone = leader.result()
+    assert alone.status_code == 400 and "x-lpcache-coalesced" not in alone.headers
+    assert follower.headers.get("x-lpcache-coalesced") == "true"
+    assert follower.status_code == 400 and follower.headers["content-type"].startswith("application/json")
+    assert follower.json() == alone.json()
+    proxy.wait_finished(2)
+    assert proxy.busy_slots() == [] and len(proxy.pipeline.coalescer) == 0
+
+
 def test_followers_still_get_the_answer_when_the_first_client_leaves(start_backend: Any, start_proxy: Any) -> None:
     backend = start_backend(gen_ms_per_token=30)
     proxy = start_proxy(backend, coalesce_requests=True)

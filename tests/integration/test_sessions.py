@@ -358,3 +358,32 @@ def test_restore_only_when_it_beats_the_prefill(start_proxy: Any, start_backend:
     assert speeds.prefill.ms_per_token is not None and speeds.restore.ms_per_token is not None
     assert all(bool(r.restored) == restored for r in later[1:])
     assert all(bool(r.restore_skipped) != restored for r in later[1:])
+
+
+def test_a_big_session_prompt_is_summarized_and_compared_off_the_event_loop(start_proxy: Any, start_backend: Any,
+                                                                           monkeypatch: Any) -> None:
+    """The session book's work grows with the prompt (a 16 MiB one: about 0.15 s): above OFF_LOOP_BYTES it runs
+    in a worker thread, like parsing and hashing, so other streams do not stall meanwhile."""
+    from lpcache.chat_request import OFF_LOOP_BYTES
+    from lpcache.sessions import Summary
+
+    proxy = start_proxy(start_backend(slots=1, n_ctx=100_000))
+    loop_thread = proxy.run(_ident())
+    threads: list[int] = []
+    real = Summary.of.__func__  # type: ignore[attr-defined]
+
+    def of(cls: Any, messages: Any, *args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.get_ident())
+        return real(cls, messages, *args, **kwargs)
+
+    monkeypatch.setattr(Summary, "of", classmethod(of))
+    text = words(7, OFF_LOOP_BYTES // 4)
+    for more in ("", " and one more line"):
+        r = proxy.chat(user(text + more), {"X-Session-ID": S1}, max_tokens=2)
+        assert r.status_code == 200
+    assert len(threads) == 2 and loop_thread not in threads
+    assert proxy.client.get(f"/lpcache/sessions/{S1}/compare").json()["comparison"]["same"] is False
+
+
+async def _ident() -> int:
+    return threading.get_ident()

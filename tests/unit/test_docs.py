@@ -206,3 +206,14 @@ def test_migration_lists_the_kept_and_the_added_variables() -> None:
     defaults = {o.env: o.default or "unset" for o in OPTIONS}
     for env, default in added:
         assert default.strip("` ") == defaults[env], env
+
+
+def test_architecture_lists_every_module() -> None:
+    """docs/architecture.md's module table names every module of the package (a new one must say what it knows)."""
+    page = (DOCS / "architecture.md").read_text()
+    listed = set()
+    for row in re.findall(r"^\| (`[^|]*) \|", page, re.MULTILINE):
+        listed |= {name.rsplit("/", 1)[-1] for name in re.findall(r"`([a-z_/]+)/?`", row)}
+    modules = {p.stem for p in (ROOT / "lpcache").rglob("*.py") if p.stem != "__init__"
+               and "mock_llama" not in p.parts}
+    assert modules - listed == set()

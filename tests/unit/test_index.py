@@ -843,3 +843,21 @@ async def test_a_file_chosen_for_a_restore_is_not_counted_until_restored(make_in
         removed = await idx.add(d, URL, None)
     assert len(removed) == 2 and len(idx) == 2 and d.key in idx
     assert all(f"meta_removed key={e.key} reason=limit" in caplog.text for e in removed)
+
+
+async def test_the_limits_never_delete_a_file_while_it_is_being_saved_again(make_index, folders) -> None:
+    """A recorded cache being saved again (marked `saving`, the server writing it) is spared by the limits until
+    its new meta file is written: a deletion queued meanwhile would unlink the file the server just wrote."""
+    a_dir, _ = folders
+    idx = make_index(wpb=2, meta_max=1, slot_save_paths=[a_dir])
+    idx.load()
+    p, q = prompt(text(6)), prompt(text(6, tag="q"))
+    kv_file(a_dir, p.key)
+    await idx.add(p, URL, a_dir)
+    await idx.saving(p.key, a_dir)          # p is saved again: the server rewrites its file
+    kv_file(a_dir, q.key)
+    await idx.add(q, URL, a_dir)            # over META_MAX meanwhile: p is not the one to go
+    assert exists(os.path.join(a_dir, p.key)) and p.key in idx
+    await idx.add(p, URL, a_dir)            # p's save is recorded: now the limits hold again
+    assert exists(os.path.join(a_dir, p.key)) and meta_exists(idx, p.key)
+    assert len(idx) == 1 and not exists(os.path.join(a_dir, q.key))
