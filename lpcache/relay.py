@@ -265,13 +265,31 @@ class SseRelay:
             self.source.finish(delivered, complete)
 
     async def _pump(self, send: Send, queue: asyncio.Queue[object], item: object) -> object:
-        """Pass chunks on (to the followers, and to the client) until the end marker, returned."""
+        """Pass whole events on (to the followers, and to the client) until the end marker, returned. The start of
+        an event waits for its end: a stream that breaks halfway through an event must not glue the error event to
+        half an event (the client could parse neither)."""
+        pending = b""
         while isinstance(item, bytes):
-            self.source.tee(item)
-            self.record.bytes_out += len(item)
-            await send({"type": "http.response.body", "body": item, "more_body": True})
+            pending += item
+            whole = _whole_events(pending)
+            if whole:
+                await self._pass(send, pending[:whole])
+                pending = pending[whole:]
             item = await queue.get()
+        if pending and item is _END:   # the stream ended without a blank line: its last bytes as they came
+            await self._pass(send, pending)
         return item
+
+    async def _pass(self, send: Send, data: bytes) -> None:
+        self.source.tee(data)
+        self.record.bytes_out += len(data)
+        await send({"type": "http.response.body", "body": data, "more_body": True})
+
+
+def _whole_events(data: bytes) -> int:
+    """How many bytes at the start of `data` are whole SSE events (up to the end of its last blank line)."""
+    lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
 class FollowerRelay:
