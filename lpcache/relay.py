@@ -175,6 +175,7 @@ class SseRelay:
         self.queue_size = queue_size
         self.started = started
         self._tail = b""
+        self._done = False   # the last event passed on was [DONE]
 
     async def _read(self, upstream: Upstream, queue: asyncio.Queue[object]) -> None:
         """The background reader: upstream chunks into the queue, then the end marker (or the error)."""
@@ -235,6 +236,16 @@ class SseRelay:
             started = True
             self.record.status = 200
             item = await self._pump(send, queue, item)
+            if isinstance(item, BaseException) and self._done:
+                # The connection broke after the stream's last event: the answer is whole (nothing may follow
+                # [DONE]), the connection is not reusable.
+                log.info("stream_broke_after_done backend=%s: %s", self.record.backend, item)
+                upstream.close()
+                self.source.generated()
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                complete = True
+                delivered = not _left(watch, self.record)
+                return
             if isinstance(item, BaseException):
                 # Bytes already went out: end the stream with a well-formed error event, never a hang.
                 self.record.reason = "backend_unreachable"
@@ -281,6 +292,7 @@ class SseRelay:
         return item
 
     async def _pass(self, send: Send, data: bytes) -> None:
+        self._done = data.endswith((b"data: [DONE]\n\n", b"data: [DONE]\r\n\r\n"))
         self.source.tee(data)
         self.record.bytes_out += len(data)
         await send({"type": "http.response.body", "body": data, "more_body": True})
