@@ -175,6 +175,7 @@ class SseRelay:
         self.queue_size = queue_size
         self.started = started
         self._tail = b""
+        self._done = False   # the last event passed on was [DONE]
 
     async def _read(self, upstream: Upstream, queue: asyncio.Queue[object]) -> None:
         """The background reader: upstream chunks into the queue, then the end marker (or the error)."""
@@ -235,6 +236,16 @@ class SseRelay:
             started = True
             self.record.status = 200
             item = await self._pump(send, queue, item)
+            if isinstance(item, BaseException) and self._done:
+                # The connection broke after the stream's last event: the answer is whole (nothing may follow
+                # [DONE]), the connection is not reusable.
+                log.info("stream_broke_after_done backend=%s: %s", self.record.backend, item)
+                upstream.close()
+                self.source.generated()
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                complete = True
+                delivered = not _left(watch, self.record)
+                return
             if isinstance(item, BaseException):
                 # Bytes already went out: end the stream with a well-formed error event, never a hang.
                 self.record.reason = "backend_unreachable"
@@ -265,13 +276,32 @@ class SseRelay:
             self.source.finish(delivered, complete)
 
     async def _pump(self, send: Send, queue: asyncio.Queue[object], item: object) -> object:
-        """Pass chunks on (to the followers, and to the client) until the end marker, returned."""
+        """Pass whole events on (to the followers, and to the client) until the end marker, returned. The start of
+        an event waits for its end: a stream that breaks halfway through an event must not glue the error event to
+        half an event (the client could parse neither)."""
+        pending = b""
         while isinstance(item, bytes):
-            self.source.tee(item)
-            self.record.bytes_out += len(item)
-            await send({"type": "http.response.body", "body": item, "more_body": True})
+            pending += item
+            whole = _whole_events(pending)
+            if whole:
+                await self._pass(send, pending[:whole])
+                pending = pending[whole:]
             item = await queue.get()
+        if pending and item is _END:   # the stream ended without a blank line: its last bytes as they came
+            await self._pass(send, pending)
         return item
+
+    async def _pass(self, send: Send, data: bytes) -> None:
+        self._done = data.endswith((b"data: [DONE]\n\n", b"data: [DONE]\r\n\r\n"))
+        self.source.tee(data)
+        self.record.bytes_out += len(data)
+        await send({"type": "http.response.body", "body": data, "more_body": True})
+
+
+def _whole_events(data: bytes) -> int:
+    """How many bytes at the start of `data` are whole SSE events (up to the end of its last blank line)."""
+    lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
 class FollowerRelay:

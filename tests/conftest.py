@@ -36,7 +36,8 @@ class Proxy:
     def wait_finished(self, n: int, timeout: float = 30) -> None:
         """Wait until `n` requests have finished (observers told) and every background write is done."""
         with self._finished:
-            assert self._finished.wait_for(lambda: len(self.records) >= n, timeout), "requests did not finish"
+            assert self._finished.wait_for(lambda: len(self.records) >= n, timeout), \
+                f"requests did not finish: {len(self.records)} records of {n}"
         self.settle(timeout)
 
     @property

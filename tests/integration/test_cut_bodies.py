@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -204,4 +205,55 @@ def test_a_backend_error_passes_on_as_it_came(start_backend: Any, start_proxy: A
     assert r.headers["content-type"] == direct.headers["content-type"]
     err = orjson.loads(r.content)["error"]
     assert err["n_ctx"] == 64 and err["n_prompt_tokens"] > 64 and err["type"] == "exceed_context_size_error"
+    all_free(proxy)
+
+
+@pytest.mark.parametrize("coalesced", [False, True])
+def test_a_stream_cut_halfway_through_an_event_ends_with_whole_events(start_backend: Any, start_proxy: Any,
+                                                                        coalesced: bool) -> None:
+    """The stand-in sends half of its first event and cuts the connection: the client (and a coalesced follower)
+    gets whole events only, the last one lpcache's error, never half an event glued to the error event."""
+    a = start_backend(slots=2, gen_ms_per_token=20)
+    proxy = start_proxy(a, request_timeout=2.0, coalesce_requests=coalesced)
+    fault(a, body_cut=1)
+    body = {"messages": user(words(1, SMALL)), "stream": True, "max_tokens": 4}
+    with httpx.Client(base_url=proxy.url, timeout=30) as c1, httpx.Client(base_url=proxy.url, timeout=30) as c2:
+        if coalesced:
+            with ThreadPoolExecutor(2) as pool:
+                answers = list(pool.map(lambda c: c.post("/v1/chat/completions", json=body), [c1, c2]))
+        else:
+            answers = [c1.post("/v1/chat/completions", json=body)]
+    assert armed(a)["body_cut"] == 0
+    broken = 0
+    for r in answers:
+        assert r.status_code == 200 and r.content.endswith(b"\n\n"), r.content
+        events = r.content[:-2].split(b"\n\n")
+        assert all(e.startswith(b"data: ") for e in events), r.content
+        if events[-1] == b"data: [DONE]":   # a second client that came after the group: a whole answer
+            events.pop()
+        docs = [orjson.loads(e[6:]) for e in events]   # every one parses
+        broken += "error" in docs[-1]
+    assert broken >= 1
+    proxy.wait_finished(len(answers))
+    all_free(proxy)
+
+
+@pytest.mark.parametrize("coalesced", [False, True])
+def test_a_stream_cut_right_after_done_is_whole(start_backend: Any, start_proxy: Any, coalesced: bool) -> None:
+    """The connection breaks after the stream's last event ([DONE]): the answer is whole, nothing follows [DONE]
+    (no error event), and it counts as answered (the big prompt is saved)."""
+    a = start_backend(slots=2, gen_ms_per_token=20)
+    proxy = start_proxy(a, request_timeout=2.0, coalesce_requests=coalesced)
+    # head, 4 tokens, finish (with timings), [DONE]: 7 events, all sent before the cut
+    fault(a, stream_break_after=7, stream_break_count=1)
+    body = {"messages": user(words(3, BIG)), "stream": True, "max_tokens": 4}
+    with httpx.Client(base_url=proxy.url, timeout=30) as c1, httpx.Client(base_url=proxy.url, timeout=30) as c2:
+        with ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(lambda c: c.post("/v1/chat/completions", json=body), [c1, c2][:1 + coalesced]))
+    assert armed(a)["stream_break_after"] is None   # the fault did fire
+    for r in answers:
+        assert r.status_code == 200 and r.content.endswith(b"data: [DONE]\n\n"), r.content
+        assert b'"error"' not in r.content
+    proxy.wait_finished(len(answers))
+    assert proxy.records[0].reason is None and any(r.saved for r in proxy.records)
     all_free(proxy)

@@ -1,9 +1,11 @@
 """Fuzz: malformed bodies and headers at POST /v1/chat/completions never make lpcache answer 5xx or leak a traceback.
 
 One lpcache in front of one stand-in, started once for the whole hypothesis run (hypothesis cannot use
-function-scoped fixtures per example). Every answer is either a well-formed success (JSON completion or SSE ending
-in [DONE]) or an error in OpenAI's shape `{"error": {"message", "type", "code"}}`; afterwards no slot is left busy
-and nobody waits for one.
+function-scoped fixtures per example), with coalescing on and two client keys: each example is sent at once three
+times, twice with its Authorization and once with the other key (the same header when it holds no valid key), so
+identical bodies meet in the coalescer. Every answer is either a well-formed success (JSON completion or SSE ending
+in [DONE]) or an error in OpenAI's shape `{"error": {"message", "type", "code"}}`; the two keys never get the same
+completion (the stand-in draws a fresh id per generation); afterwards no slot is left busy and nobody waits.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -20,6 +23,7 @@ from hypothesis import strategies as st
 
 from lpcache.config import BackendConfig, Settings
 from lpcache.mock_llama import MockConfig, MockHandle, start_mock
+from lpcache.soak import KEYS
 
 from ..conftest import Proxy
 
@@ -36,7 +40,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[MockHand
     proxy: Proxy | None = None
     try:
         proxy = Proxy(Settings(backends=(BackendConfig(mock.url, None, slot_dir),), meta_dir=os.path.join(root, "meta"),
-                               host="127.0.0.1", save_retry_delay_ms=10, big_threshold_words=50, words_per_block=10))
+                               host="127.0.0.1", save_retry_delay_ms=10, big_threshold_words=50, words_per_block=10,
+                               coalesce_requests=True, api_keys=KEYS))
         yield mock, proxy
     finally:
         if proxy is not None:
@@ -156,13 +161,14 @@ content_types = st.sampled_from([
     "application/json", "text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=zz",
     "application/json; charset=latin-1", "application/json; charset=utf-16", "*/*", "application/xml",
 ]).map(str.encode) | header_value()
-authorizations = (st.sampled_from([b"Bearer", b"bearer x", b"Basic Zm9vOmJhcg==", b"Bearer \xff\xfe"])
+VALID = [f"Bearer {k}".encode() for k in KEYS]
+authorizations = (st.sampled_from(VALID) | st.sampled_from(VALID) | st.sampled_from(VALID)
+                  | st.sampled_from([b"Bearer", b"bearer x", b"Basic Zm9vOmJhcg==", b"Bearer \xff\xfe"])
                   | st.builds(lambda v: b"Bearer " + v, header_value(1)) | header_value() | long_values)
 names = st.text("abcdefghijklmnopqrstuvwxyz0123456789-_!#$%&'*+.^`|~", min_size=1, max_size=20).map(
     lambda n: "x-fz-" + n)
-headers = st.fixed_dictionaries({}, optional={
+headers = st.fixed_dictionaries({"authorization": authorizations}, optional={
     "content-type": content_types,
-    "authorization": authorizations,
     "x-session-id": header_value() | long_values,
     "user-agent": header_value(),
     "accept": st.sampled_from([b"text/event-stream", b"application/json", b"*/*"]) | header_value(),
@@ -179,7 +185,25 @@ def assert_openai_error(raw: bytes, where: str) -> None:
     assert isinstance(err.get("message"), str) and isinstance(err.get("type"), str) and "code" in err, where
 
 
-def check(client: httpx.Client, body: bytes, hdrs: dict[str, bytes]) -> int:
+def completion_ids(r: httpx.Response) -> set[str]:
+    """The completion ids in a 200 answer (the stand-in draws a fresh one per generation)."""
+    if r.status_code != 200:
+        return set()
+    if not r.headers.get("content-type", "").startswith("text/event-stream"):
+        return {json.loads(r.content)["id"]}
+    events = [e[6:] for e in r.content.split(b"\n\n") if e.startswith(b"data: {")]
+    return {json.loads(e).get("id") for e in events} - {None}
+
+
+def other_key(hdrs: dict[str, bytes]) -> dict[str, bytes]:
+    """The same headers with the other client key (unchanged when they hold no valid key)."""
+    auth = hdrs.get("authorization")
+    if auth not in VALID:
+        return hdrs
+    return {**hdrs, "authorization": VALID[1 - VALID.index(auth)]}
+
+
+def check(client: httpx.Client, body: bytes, hdrs: dict[str, bytes]) -> httpx.Response:
     r = client.post("/v1/chat/completions", content=body, headers=hdrs)
     where = f"status={r.status_code} body={r.content[:400]!r}"
     assert b"Traceback" not in r.content, where
@@ -196,29 +220,39 @@ def check(client: httpx.Client, body: bytes, hdrs: dict[str, bytes]) -> int:
         else:
             doc = json.loads(r.content)
             assert isinstance(doc["choices"][0]["message"], dict), where
-    return r.status_code
+    return r
 
 
 def test_malformed_requests_never_get_a_5xx(servers: tuple[MockHandle, Proxy]) -> None:
     _, proxy = servers
     statuses: dict[int, int] = {}
+    shared = 0
     # A fresh connection per request: an example that made the server close its connection cannot break the next.
     client = httpx.Client(base_url=proxy.url, timeout=60, limits=httpx.Limits(max_keepalive_connections=0))
+    pool = ThreadPoolExecutor(3)
 
     @settings(max_examples=EXAMPLES, deadline=None, database=None, print_blob=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much,
                                      HealthCheck.large_base_example])
     @given(body=bodies, hdrs=headers)
     def run(body: bytes, hdrs: dict[str, bytes]) -> None:
-        status = check(client, body, hdrs)
-        statuses[status] = statuses.get(status, 0) + 1
+        nonlocal shared
+        mine, theirs, again = pool.map(lambda h: check(client, body, h), [hdrs, other_key(hdrs), hdrs])
+        for r in (mine, theirs, again):
+            statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+        if other_key(hdrs) is not hdrs:
+            assert not (completion_ids(mine) | completion_ids(again)) & completion_ids(theirs), \
+                "one answer went to both client keys"
+        shared += bool(completion_ids(mine) & completion_ids(again))   # the same client: may share one call
 
     try:
         run()
     finally:
         client.close()
-    ran = sum(statuses.values())
-    print(f"\nfuzz: {ran} examples, statuses {dict(sorted(statuses.items()))}")
+        pool.shutdown()
+    ran = sum(statuses.values()) // 3
+    print(f"\nfuzz: {ran} examples, statuses {dict(sorted(statuses.items()))}, "
+          f"same-key pairs that shared an answer {shared}")
     assert ran >= EXAMPLES
     assert statuses.get(200, 0) > 0, "no example reached the backend"
     proxy.settle()
@@ -233,7 +267,7 @@ def test_a_deeply_nested_field_is_not_a_server_error(servers: tuple[MockHandle, 
     _, proxy = servers
     body = b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "x": ' + b"[" * depth + b"]" * depth
     r = httpx.post(f"{proxy.url}/v1/chat/completions", content=body + b"}",
-                   headers={"content-type": "application/json"}, timeout=60)
+                   headers={"content-type": "application/json", "authorization": VALID[0].decode()}, timeout=60)
     assert r.status_code < 500, r.text
     if r.status_code >= 400:
         assert_openai_error(r.content, r.text)
