@@ -113,6 +113,12 @@ class Attempts:
             else:
                 self.collected += chunk
 
+    def streaming(self) -> None:
+        """The client got the head of a 200 stream: coalesced followers that stream get the same, even if it ends
+        with an error event before any whole event."""
+        if self.group is not None:
+            self.group.start()
+
     def end_group(self, error: dict[str, Any] | None) -> None:
         """Tell the followers the answer is complete (error None) or failed, and let a new group start."""
         if self.group is None:

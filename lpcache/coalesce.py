@@ -63,6 +63,7 @@ class Group:
         self.on_alone: Callable[[], None] | None = None
         self.headers: list[tuple[bytes, bytes]] = []
         self._chunks: list[bytes] = []
+        self._started = False   # the leader's client got a 200 stream's head: the followers get one too
         self._status: int | None = None
         self._error: dict[str, Any] | None = None
         self._body: bytes | None = None
@@ -129,11 +130,16 @@ class Group:
         """Wait for a streamed answer's first chunk, or the group's end: True when no byte of a 200 answer came
         (an error answer, or a failure). A streaming follower then answers the error's status and JSON body, as the
         leader's client got it, not a 200 stream holding one error event."""
-        while not self.done and not (self.stream and self._chunks):
+        while not self.done and not (self.stream and (self._chunks or self._started)):
             await self._changed.wait()
         if self._status is not None:
             return self._status != 200
-        return self._error is not None and not (self.stream and self._chunks)
+        return self._error is not None and not (self.stream and (self._chunks or self._started))
+
+    def start(self) -> None:
+        """The leader's client got the head of a 200 stream (whatever follows, an error ends it as an event)."""
+        self._started = True
+        self._wake()
 
     def body(self) -> bytes:
         if self._body is None or not self.done:

@@ -485,6 +485,11 @@ class MetaIndex:
         self._saving.add(key)   # until `add` or `forget`: a deletion queued meanwhile would unlink the new file
         await self._run(self._mark, key)
 
+    def unmark(self, key: str) -> None:
+        """A save of `key` was given up before its answer (a shutdown): the limits may delete it again; its marker
+        stays for the next start to reconcile."""
+        self._saving.discard(key)
+
     def _mark(self, key: str) -> None:
         try:
             with open(self._marker_path(key), "wb"):

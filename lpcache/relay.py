@@ -98,6 +98,8 @@ class Source(Protocol):
 
     def tee(self, chunk: bytes) -> None: ...
 
+    def streaming(self) -> None: ...
+
     def generated(self) -> None: ...
 
     def finish(self, delivered: bool, complete: bool | None = None) -> None: ...
@@ -234,6 +236,7 @@ class SseRelay:
                 (b"content-type", content_type), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
                 *self.source.headers()]})
             started = True
+            self.source.streaming()
             self.record.status = 200
             item = await self._pump(send, queue, item)
             if isinstance(item, BaseException) and self._done:

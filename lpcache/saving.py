@@ -175,7 +175,11 @@ class Saver:
         result: SlotAction | None = None
         await self.index.saving(content.key, backend.config.slot_save_path)   # reconciled at start if we stop here
         for attempt in range(1, attempts + 1):
-            result, _ = await swap.save(backend.client, slot.id, content, None, model)
+            try:
+                result, _ = await swap.save(backend.client, slot.id, content, None, model)
+            except asyncio.CancelledError:
+                self.index.unmark(content.key)
+                raise
             if result.ok:
                 self.record_save(backend, content, result, record)
                 log.info("slot_saved key=%s slot=%s n_saved=%s bytes=%s ms=%.1f", content.key[:16], slot.name,
@@ -213,7 +217,11 @@ class Saver:
             return False
         if held.session is None:
             await self.index.saving(held.key, backend.config.slot_save_path)   # reconciled at start if we stop here
-        result, _ = await swap.save(backend.client, slot.id, held, self.folders[backend.index], model)
+        try:
+            result, _ = await swap.save(backend.client, slot.id, held, self.folders[backend.index], model)
+        except asyncio.CancelledError:
+            self.index.unmark(held.key)
+            raise
         self.saved_held(backend, slot, held, result, record)
         return result.ok
 

@@ -419,3 +419,17 @@ def test_leaving_a_done_group_does_not_call_on_alone() -> None:
     group.leave()
     group.leave()            # never below zero
     assert group.followers == 0
+
+
+async def test_a_stream_whose_head_went_out_ends_as_a_stream_for_streaming_followers() -> None:
+    """The leader's client got a 200 stream's head, then the backend broke before a whole event: a streaming
+    follower gets the same (a 200 stream ending with the error event), not a JSON 502."""
+    group = Group("k", stream=True)
+    group.start()
+    group.fail({"error": {"message": "backend stream broke", "type": "backend_unreachable", "code": 502}})
+    assert await group.failed_before_start() is False
+    events = [chunk async for chunk in group.as_stream()]
+    assert len(events) == 1 and b"backend stream broke" in events[0] and events[0].startswith(b"data: ")
+    before = Group("k", stream=True)
+    before.fail({"error": {"message": "x", "type": "backend_unreachable", "code": 502}})
+    assert await before.failed_before_start() is True

@@ -861,3 +861,14 @@ async def test_the_limits_never_delete_a_file_while_it_is_being_saved_again(make
     await idx.add(p, URL, a_dir)            # p's save is recorded: now the limits hold again
     assert exists(os.path.join(a_dir, p.key)) and meta_exists(idx, p.key)
     assert len(idx) == 1 and not exists(os.path.join(a_dir, q.key))
+
+
+async def test_a_save_given_up_no_longer_shields_its_file_from_the_limits(make_index) -> None:
+    idx = make_index(wpb=2, meta_max=1)
+    a, b = prompt(text(10, tag="a")), prompt(text(10, tag="b"))
+    await idx.add(a, URL, None)
+    await idx.saving(a.key, None)           # saved again, and the save is cancelled (a shutdown)
+    idx.unmark(a.key)
+    removed = await idx.add(b, URL, None)
+    assert [e.key for e in removed] == [a.key]
+    assert exists(idx._marker_path(a.key))   # left for the next start
