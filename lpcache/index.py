@@ -275,8 +275,9 @@ class MetaIndex:
         self._saving: set[str] = set()   # keys whose save is out (`saving`) and not recorded yet: never deleted
         self._moved_on: OrderedDict[str, None] = OrderedDict()   # entries a later save continues (`_continued`)
         self._why: dict[str, str] = {}   # why an entry the limits removed goes, until its files are deleted
-        # The keys whose content an idle slot holds as saved (set by the pipeline): their files go first when the
-        # limits bite, since a slot's cache is saved again before anything replaces it (see `_over_limit`).
+        # The keys of files an idle slot can give back (set by the slot filler: its own saved cache's, and those its
+        # cache holds all of but a short end): they go early when the limits bite, since a slot's cache is saved
+        # again before anything replaces it (see `_over_limit`).
         self.held: Callable[[], Collection[str]] = tuple
         # The usage of entries the limits deleted, by the digest their chain ended at: a conversation that comes
         # back with a new save takes its rhythm over (a deleted file would otherwise make it look brand new, and
@@ -407,12 +408,7 @@ class MetaIndex:
                  usable: Callable[[MetaEntry], bool]) -> tuple[MetaEntry, int] | None:
         if not table:
             return None
-        levels: list[str | set[str]] = []
-        for digest in chain:
-            holders = table.get(digest)
-            if holders is None:
-                break
-            levels.append(holders)
+        levels = _levels(table, chain)
         for depth in range(len(levels), 0, -1):
             entry = self._most_recent(levels[depth - 1], usable)
             if entry is not None:
@@ -634,7 +630,7 @@ class MetaIndex:
         removed = self._evict_among(list(self._moved_on), spare, "moved_on")
         # the entry just saved too, when a slot has it
         removed += self._evict_among(self.held(), {*self._protected, *self._saving}, "in_slot")
-        if self._over():
+        if self.over():
             count, size = self._limits()
             for key in self._usage.victims(time.time(), count, size, spare):
                 entry = self._entries.get(key)
@@ -644,17 +640,14 @@ class MetaIndex:
         self.evicted += len(removed)
         return removed
 
-    def over(self) -> bool:
-        """Beyond the limits: left so for a moment by a save while a restore was chosen (see `_limits`)."""
-        return self._over()
-
     async def enforce(self) -> None:
         """Delete what the limits say, now that nothing may be waiting to be restored (see `_over_limit`)."""
         removed = self._over_limit(keep="")
         if removed:
             await self._run(self._write_and_delete, None, b"", removed)
 
-    def _over(self) -> bool:
+    def over(self) -> bool:
+        """Beyond the limits (left so for a moment by a save while a restore was chosen: see `_limits`)."""
         count, size = self._limits()
         return (count > 0 and len(self._entries) > count) or (size > 0 and self._usage.total_bytes > size)
 
@@ -671,7 +664,7 @@ class MetaIndex:
     def _evict_among(self, keys: Iterable[str], spare: Collection[str], why: str) -> list[MetaEntry]:
         removed: list[MetaEntry] = []
         for key in keys:
-            if not self._over():
+            if not self.over():
                 break
             entry = self._entries.get(key)
             if entry is not None and key not in spare:
@@ -713,12 +706,7 @@ class MetaIndex:
         table = self._exact.get(fingerprint)
         if not table:
             return []
-        levels: list[str | set[str]] = []
-        for digest in chain:
-            found = table.get(digest)
-            if found is None:
-                break
-            levels.append(found)
+        levels = _levels(table, chain)
         out: dict[str, MetaEntry] = {}
         for depth in range(len(levels), max(0, len(levels) - 8), -1):
             holders = levels[depth - 1]
@@ -835,6 +823,18 @@ class MetaIndex:
             write_atomic(path, orjson.dumps(doc))
         except (OSError, ValueError, TypeError) as e:
             log.warning("meta_touch_failed key=%s reason=%s", key, e)
+
+
+def _levels(table: dict[int, str | set[str]], chain: Sequence[int]) -> list[str | set[str]]:
+    """The holders of each block of `chain` in a lookup table, from the first, while the table has them: level i
+    holds the entries sharing the chain's first i+1 blocks."""
+    levels: list[str | set[str]] = []
+    for digest in chain:
+        holders = table.get(digest)
+        if holders is None:
+            break
+        levels.append(holders)
+    return levels
 
 
 def _add_holder(table: dict[int, str | set[str]], digest: int, key: str) -> None:
