@@ -101,6 +101,12 @@ def error(message: str) -> dict[str, Any]:
     return {"error": {"code": 400, "message": message, "type": "invalid_request_error"}}
 
 
+def router_client(url: str, timeout: float) -> httpx.Client:
+    """A client that opens a new connection per request: the router closes idle keep-alive connections
+    (cpp-httplib's 5 s timeout, and while it swaps models), and a reused closed one fails the request."""
+    return httpx.Client(base_url=url, timeout=timeout, limits=httpx.Limits(max_keepalive_connections=0))
+
+
 def statuses(c: httpx.Client) -> dict[str, str]:
     return {m["id"]: m["status"]["value"] for m in c.get("/models").json()["data"]}
 
@@ -121,7 +127,7 @@ def wait_until(condition: Callable[[], bool], what: str, timeout: float = 30) ->
 
 def test_router_answers_for_itself_and_rejects_bad_model_names(start_router: StartRouter) -> None:
     router = start_router(models_max=1)
-    with httpx.Client(base_url=router.url, timeout=60) as c:
+    with router_client(router.url, 60) as c:
         assert c.get("/health").json() == {"status": "ok"}
         props = c.get("/props").json()
         assert set(props) == ROUTER_PROPS
@@ -151,7 +157,7 @@ def test_router_answers_for_itself_and_rejects_bad_model_names(start_router: Sta
 
 def test_slot_files_survive_an_unload_and_restore_into_the_reloaded_model(start_router: StartRouter) -> None:
     router = start_router(models_max=1)
-    with httpx.Client(base_url=router.url, timeout=120) as c:
+    with router_client(router.url, 120) as c:
         first = chat(c, "a", id_slot=0)
         assert first["model"] == "a"
         assert statuses(c) == {"a": "loaded", "b": "unloaded"}
@@ -181,7 +187,7 @@ def test_slot_files_survive_an_unload_and_restore_into_the_reloaded_model(start_
 
 def test_only_posts_count_as_a_use(start_router: StartRouter) -> None:
     router = start_router(models=("a", "b", "c"), models_max=2)
-    with httpx.Client(base_url=router.url, timeout=120) as c:
+    with router_client(router.url, 120) as c:
         for model in ("a", "b"):
             assert c.post("/tokenize", json={"model": model, "content": "hi"}).status_code == 200
         assert c.get("/slots?model=a").status_code == 200  # newer than b's POST, but a GET
@@ -192,7 +198,7 @@ def test_only_posts_count_as_a_use(start_router: StartRouter) -> None:
 def test_a_model_with_a_request_in_flight_is_not_unloaded(start_router: StartRouter) -> None:
     router = start_router(models_max=1)
     body = {"model": "a", "messages": MESSAGES, "max_tokens": 900, "temperature": 0, "stream": True}
-    with httpx.Client(base_url=router.url, timeout=120) as c, ThreadPoolExecutor(1) as pool:
+    with router_client(router.url, 120) as c, ThreadPoolExecutor(1) as pool:
         with c.stream("POST", "/v1/chat/completions", json=body) as stream:
             chunks = stream.iter_lines()
             assert any(line.startswith("data: ") for line in chunks)
