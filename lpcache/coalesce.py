@@ -25,14 +25,17 @@ log = logging.getLogger("lpcache.coalesce")
 _NOT_IN_KEY = ("stream", "stream_options")  # how the answer is delivered, not what it says
 
 
-def coalesce_key(body: dict[str, Any], client: str | None = None, session: str | None = None) -> str | None:
+def coalesce_key(body: dict[str, Any], client: str | None = None, session: str | None = None,
+                 route: str | None = None) -> str | None:
     """SHA-256 of the canonical JSON of everything that shapes the answer's content, of who asks (`client`: a digest
-    of the client's key, never the key) and of its session (X-Session-ID). None when the body cannot be written
-    canonically (nested deeper than orjson writes): such a request is not coalesced, and fails alone as it would
-    without coalescing."""
+    of the client's key, never the key) and of its session (X-Session-ID); `route`: for an API other than chat, its
+    path and whether it streams (answers are converted between JSON and SSE only for chat). None when the body
+    cannot be written canonically (nested deeper than orjson writes): such a request is not coalesced, and fails
+    alone as it would without coalescing."""
     kept = {k: v for k, v in body.items() if k not in _NOT_IN_KEY}
     try:
-        raw = orjson.dumps({"body": kept, "client": client, "session": session}, option=orjson.OPT_SORT_KEYS)
+        raw = orjson.dumps({"body": kept, "client": client, "session": session, "route": route},
+                           option=orjson.OPT_SORT_KEYS)
     except TypeError:   # orjson.JSONEncodeError: it reads 1024 levels of nesting but writes only 254
         return None
     return hashlib.sha256(raw).hexdigest()

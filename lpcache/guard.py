@@ -49,9 +49,11 @@ def shown_headers(headers: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in headers.items() if k.lower() not in _SECRET_HEADERS}
 
 
-async def send_error(send: Send, err: ProxyError, extra: Sequence[tuple[bytes, bytes]] = ()) -> int:
-    """Send `err` on a raw ASGI channel (OpenAI's shape; a backend's error as it came); returns the body's size."""
-    body, content_type = err.payload()
+async def send_error(send: Send, err: ProxyError, extra: Sequence[tuple[bytes, bytes]] = (),
+                     payload: tuple[bytes, str] | None = None) -> int:
+    """Send `err` on a raw ASGI channel (OpenAI's shape, or `payload`: the API's; a backend's error as it came);
+    returns the body's size."""
+    body, content_type = payload or err.payload()
     await send({"type": "http.response.start", "status": err.status, "headers": [
         (b"content-type", content_type.encode("latin-1", "replace")),
         (b"content-length", str(len(body)).encode()), *extra]})

@@ -25,6 +25,7 @@ class RequestRecord:
     elapsed_ms: float | None = None
     status: int | None = None
     bytes_out: int = 0
+    api: str | None = None             # chat, responses, messages, completions, infill (lpcache.apis); None: other
     model: str | None = None
     stream: bool | None = None
     key: str | None = None

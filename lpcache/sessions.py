@@ -264,7 +264,7 @@ class SessionBook:
 
     def read(self, file: str, messages: Sequence[Any]) -> tuple[Summary, Comparison | None]:
         """The work `seen` does in proportion to the prompt: its summary, and its comparison with the session's
-        previous one. Changes nothing, so a big prompt's may run in a worker thread (`chat_request.off_loop`)."""
+        previous one. Changes nothing, so a big prompt's may run in a worker thread (`apis.base.off_loop`)."""
         info = self._by_file.get(file)
         previous = info.summary if info is not None else None
         return Summary.of(messages), None if previous is None else compare(previous, messages)
