@@ -85,10 +85,11 @@ class Pipeline:
         """Serve one generation request of `api`; returns the ASGI app that relays the answer. Raises ProxyError for
         an error answer, ClientGone when the client left before the answer started (its record is already told)."""
         started = time.perf_counter()
+        record.api = api.name
         raw = await read_body(request, self.settings.max_body_bytes, self.settings.client_timeout)
         call = await Call.read(api, raw, request.url.path, self.settings)
         body, prompt, chat = call.body, call.prompt, api.name == "chat"
-        record.api, record.model, record.stream = api.name, call.model, call.stream
+        record.model, record.stream = call.model, call.stream
         router = await self.routers.unknown(call.model)
         if router is not None:   # no router serves that model: it says so itself, and nothing is made for it
             return await router_says(router, request, body, record, self.notify)
@@ -176,7 +177,7 @@ class Pipeline:
         name = session_filename(route, sid, fingerprint, owner)
         record.session = sid
         read = await off_loop(size, self.sessions.read, name, messages)
-        info = self.sessions.seen(name, sid, route, messages, time.time(), owner, read)
+        info = self.sessions.seen(name, sid, route, messages, time.time(), owner, read, record.api or "chat")
         if info.comparison is not None:
             log.info("session_prompt file=%s %s", name, info.comparison.log_line())
         return Content(name, prompt.exact, keep=True, session=sid, model=prompt.model, fingerprint=fingerprint)

@@ -75,6 +75,7 @@ _GETTERS: dict[str, Callable[[RequestRecord], Any]] = {
     "lpcache-prefill-tps": lambda r: r.prefill_tps,
     "lpcache-gen-tps": lambda r: r.gen_tps,
     "lpcache-ttft-ms": _ttft,
+    "lpcache-api": lambda r: r.api,   # chat, responses, messages, completions, infill; - for other routes
 }
 
 FIELDS: tuple[str, ...] = tuple(_GETTERS)

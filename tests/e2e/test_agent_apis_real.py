@@ -29,6 +29,7 @@ from lpcache import chats
 from lpcache.config import BackendConfig, Settings
 from lpcache.testing import LlamaServer
 
+from ..agent_loop import AgentLoop
 from ..conftest import Proxy, figures
 
 pytestmark = pytest.mark.e2e
@@ -50,52 +51,6 @@ def proxy(one_slot: LlamaServer, tmp_path: Path) -> Iterator[Proxy]:
         yield p
     finally:
         p.stop()
-
-
-HARNESS = chats.harness(7, n_chars=2000, n_tools=3)
-
-
-def responses_tools() -> list[dict[str, Any]]:
-    return [{"type": "function", **t["function"]} for t in HARNESS.tools_json()]
-
-
-def anthropic_tools() -> list[dict[str, Any]]:
-    return [{"name": t["function"]["name"], "description": t["function"]["description"],
-             "input_schema": t["function"]["parameters"]} for t in HARNESS.tools_json()]
-
-
-class AgentLoop:
-    """A scripted agent session: a task, then turns of one tool call and its result, kept as Responses input items
-    and as Anthropic messages (the model's own answers are not used: the loop is deterministic)."""
-
-    def __init__(self, seed: int) -> None:
-        self.rng = random.Random(seed)
-        task = "Task: " + chats.text(self.rng, 120)
-        self.items: list[dict[str, Any]] = [{"role": "user", "content": task}]
-        self.messages: list[dict[str, Any]] = [{"role": "user", "content": task}]
-        self.turn = 0
-
-    def advance(self) -> None:
-        self.turn += 1
-        tool = HARNESS.tools[self.turn % len(HARNESS.tools)]["function"]
-        call_id = f"call_{self.turn}_{self.rng.randrange(10**8)}"
-        arguments = {k: chats.sentence(self.rng)[:40] for k in tool["parameters"]["required"]}
-        output = chats.text(self.rng, 150)
-        self.items += [{"type": "function_call", "call_id": call_id, "name": tool["name"],
-                        "arguments": json.dumps(arguments, ensure_ascii=False)},
-                       {"type": "function_call_output", "call_id": call_id, "output": output}]
-        self.messages += [{"role": "assistant", "content": [{"type": "tool_use", "id": call_id, "name": tool["name"],
-                                                            "input": arguments}]},
-                          {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call_id,
-                                                        "content": output}]}]
-
-    def responses_body(self) -> dict[str, Any]:
-        return {"model": "llama.cpp", "instructions": HARNESS.system, "input": list(self.items),
-                "tools": responses_tools(), "max_output_tokens": MAX_TOKENS, "temperature": 0}
-
-    def messages_body(self) -> dict[str, Any]:
-        return {"model": "llama.cpp", "system": HARNESS.system, "messages": list(self.messages),
-                "tools": anthropic_tools(), "max_tokens": MAX_TOKENS, "extra_body": {"temperature": 0}}
 
 
 def sse(url: str, body: dict[str, Any]) -> list[tuple[str, Any]]:
