@@ -158,7 +158,7 @@ class Pipeline:
         if call.stream:
             return SseRelay(attempts, record, watch, self.settings.stream_queue_size, started, api,
                             api.converter(body))
-        return JsonRelay(attempts, record, watch, api)
+        return JsonRelay(attempts, record, watch, api, body)
 
     async def session_cache(self, request: Request, prompt: Prompt, messages: list[Any], record: RequestRecord,
                             size: int) -> Content | None:

@@ -109,11 +109,13 @@ class Source(Protocol):
 class JsonRelay:
     """Reads a JSON completion, then sends it unchanged. A 200 whose body is not a JSON object becomes a 502."""
 
-    def __init__(self, source: Source, record: RequestRecord, watch: ClientWatch, api: Api | None = None) -> None:
+    def __init__(self, source: Source, record: RequestRecord, watch: ClientWatch, api: Api | None = None,
+                 body: dict[str, Any] | None = None) -> None:
         self.source = source
         self.record = record
         self.watch = watch
-        self.api = api   # turns the answer into the client's API (Messages), shapes lpcache's errors
+        self.api = api    # turns the answer to `body` into the client's API (Messages), shapes lpcache's errors
+        self.body = body or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         delivered = complete = False
@@ -172,7 +174,7 @@ class JsonRelay:
         if self.api is None:
             return raw
         try:
-            return self.api.answer(raw)
+            return self.api.answer(raw, self.body)
         except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
             raise ProxyError(f"backend answer cannot be converted: {type(e).__name__}: {e}", status=502,
                              type="backend_error", code="provider_bad_answer") from None

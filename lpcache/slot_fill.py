@@ -329,7 +329,9 @@ class SlotFiller:
         if record.cache_n is None:
             return
         if record.restored and record.restore_expected:
-            if record.restore_exact:
+            # An infill prompt's layout is the model's (FIM tokens; suffix first in SPM mode; long parts cut): one
+            # that fell short says nothing about the model, its file is dropped like a foreign one.
+            if record.restore_exact and record.api != "infill":
                 record.restore_reused = self.reuse.judge(
                     backend.index, RouterModels.served(backend, prompt.model),
                     choice.restore.entry.key if choice.restore is not None else (record.session or ""),

@@ -95,8 +95,8 @@ class Api:
         """What goes to llama-server (the pin is added when the slot is known)."""
         return body
 
-    def answer(self, raw: bytes) -> bytes:
-        """A JSON answer as the client gets it."""
+    def answer(self, raw: bytes, body: dict[str, Any]) -> bytes:
+        """A JSON answer to `body` as the client gets it."""
         return raw
 
     def converter(self, body: dict[str, Any]) -> Converter | None:

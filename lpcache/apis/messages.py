@@ -38,8 +38,8 @@ class MessagesApi(Api):
     def outgoing(self, body: dict[str, Any]) -> dict[str, Any]:
         return anthropic.chat_request(body)
 
-    def answer(self, raw: bytes) -> bytes:
-        return orjson.dumps(anthropic.answer(orjson.loads(raw), {}))
+    def answer(self, raw: bytes, body: dict[str, Any]) -> bytes:
+        return orjson.dumps(anthropic.answer(orjson.loads(raw), body))
 
     def converter(self, body: dict[str, Any]) -> Converter | None:
         return anthropic.MessagesStream()
