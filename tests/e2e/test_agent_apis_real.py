@@ -27,7 +27,7 @@ import pytest
 
 from lpcache import chats
 from lpcache.config import BackendConfig, Settings
-from lpcache.testing import LlamaServer
+from lpcache.testing import LlamaServer, fim_model_path
 
 from ..agent_loop import AgentLoop
 from ..conftest import Proxy, figures
@@ -229,3 +229,35 @@ def test_completions_text_and_token_prompts_are_saved_and_restored(one_slot: Lla
         figures(f"  {path}: restored={record.restored} cache_n={timings['cache_n']} prompt_n={timings['prompt_n']}")
         assert record.api == "completions" and record.restored and r.headers["x-lpcache-restored"] == "true"
         assert timings["cache_n"] >= 0.9 * (timings["cache_n"] + timings["prompt_n"]) - 20
+
+
+@pytest.fixture(scope="module")
+def fim_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
+    """One slot, no RAM cache, a model with fill-in-the-middle tokens (`fim_model_path`)."""
+    with LlamaServer(str(tmp_path_factory.mktemp("fim")), n_slots=1, cache_ram=0,
+                     extra=["-m", fim_model_path()]) as server:
+        yield server
+
+
+def test_infill_is_saved_and_restored(fim_server: LlamaServer, tmp_path: Path) -> None:
+    proxy = Proxy(Settings(backends=(BackendConfig(fim_server.url, None, fim_server.slot_save_path),),
+                           meta_dir=str(tmp_path / "meta"), host="127.0.0.1", big_threshold_words=200))
+    try:
+        rng = random.Random(21)
+        extra = [{"filename": f"src/{name}.py", "text": chats.text(rng, 250)} for name in ("models", "views")]
+        above = "def total(items):\n    s = 0\n    for it in items:\n"
+        body = {"input_extra": extra, "input_prefix": above, "input_suffix": "\n    return s\n", "n_predict": 3}
+        other = {**body, "input_extra": [{"filename": "b.py", "text": chats.text(rng, 500)}]}
+        for b in (body, other):
+            r = proxy.client.post("/infill", json=b, timeout=300)
+            assert r.status_code == 200, r.text
+            assert last(proxy).saved
+        typed = {**body, "input_prefix": above + "        s += it"}   # the user typed on
+        r = proxy.client.post("/infill", json=typed, timeout=300)
+        record = last(proxy)
+        timings = r.json()["timings"]
+        figures(f"  infill: restored={record.restored} cache_n={timings['cache_n']} prompt_n={timings['prompt_n']}")
+        assert r.status_code == 200 and record.api == "infill" and record.restored and record.restore_reused
+        assert timings["cache_n"] >= 0.9 * (timings["cache_n"] + timings["prompt_n"]) - 30
+    finally:
+        proxy.stop()
