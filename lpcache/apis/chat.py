@@ -31,4 +31,6 @@ class ChatApi(Api):
         check_messages(body.get("messages"))
 
     def view(self, body: dict[str, Any]) -> View | None:
+        if isinstance(body.get("n"), int) and body["n"] > 1:
+            return None   # llama-server runs the extra answers unpinned, in any slot
         return View(body["messages"], template_fields(body))

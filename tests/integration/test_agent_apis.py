@@ -203,7 +203,8 @@ def test_the_record_the_log_and_the_metrics_name_the_api(start_backend: Any, sta
                                                         tmp_path: Any) -> None:
     backend = start_backend(slots=1)
     log = tmp_path / "requests.log"
-    proxy = start_proxy(backend, plugins=({"name": "request_log", "params": {"path": str(log)}},))
+    proxy = start_proxy(backend, plugins=({"name": "request_log", "params": {
+        "path": str(log), "fields": ["cs-uri", "sc-status", "lpcache-api"]}},))
     post(proxy, "/v1/responses", responses_body(AgentLoop(12, words=30)))
     post(proxy, "/v1/messages", messages_body(AgentLoop(13, words=30)))
     metrics = proxy.client.get("/metrics").text
