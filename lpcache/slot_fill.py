@@ -339,6 +339,8 @@ class SlotFiller:
             elif record.cache_n < REUSE_SHORT * record.restore_expected and choice.restore is not None:
                 record.restore_reused = False
                 self.saver.spawn(self.index.drop(choice.restore.entry.key, "foreign_not_reused"))
+            else:
+                record.restore_reused = record.cache_n >= REUSE_SHORT * record.restore_expected
             return
         speeds = self.speeds.of(backend.index, RouterModels.served(backend, prompt.model))
         if not record.restored and not backend.ram_cache and record.cache_n >= REUSE_MIN_TOKENS + speeds.tokens_of(
