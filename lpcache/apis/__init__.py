@@ -1,0 +1,1 @@
+"""Other client APIs served through llama-server's chat completions, converted exactly as llama-server does."""
