@@ -95,6 +95,10 @@ class Api:
         """What goes to llama-server (the pin is added when the slot is known)."""
         return body
 
+    def prepare(self, body: dict[str, Any]) -> tuple[View | None, dict[str, Any]]:
+        """`view` and `outgoing` together (an adapter that converts the body does it once for both)."""
+        return self.view(body), self.outgoing(body)
+
     def answer(self, raw: bytes, body: dict[str, Any]) -> bytes:
         """A JSON answer to `body` as the client gets it."""
         return raw
@@ -112,14 +116,14 @@ class Api:
         check_common(body)
         self.check(body)
         model = body.get("model") or settings.model_id
-        view = self.view(body)
+        view, send = self.prepare(body)
         prompt = None
         if view is not None:
             prompt = Prompt.of(model, view.messages, settings.words_per_block, view.template, view.words)
             if self.name != "chat":   # its answers are another API's: never a chat request's result or coalesced
                 prompt = replace(prompt, key=cache_key(self.name, prompt.key))
         big = prompt is not None and prompt.n_words > settings.big_threshold_words
-        return Call(self, path, body, self.outgoing(body), model, bool(body.get("stream")), prompt, big,
+        return Call(self, path, body, send, model, bool(body.get("stream")), prompt, big,
                     view.messages if view is not None else [])
 
 

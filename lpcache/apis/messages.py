@@ -21,6 +21,7 @@ from ..identity import template_fields
 from . import anthropic
 from .base import Api, Converter, View
 from .chat import check_messages
+from .llama_json import dumps
 
 
 class MessagesApi(Api):
@@ -32,14 +33,17 @@ class MessagesApi(Api):
         check_messages(body.get("messages"))
 
     def view(self, body: dict[str, Any]) -> View | None:
-        chat = anthropic.to_chat(body)
-        return View(chat["messages"], template_fields(chat))
+        return self.prepare(body)[0]
 
     def outgoing(self, body: dict[str, Any]) -> dict[str, Any]:
-        return anthropic.chat_request(body)
+        return self.prepare(body)[1]
+
+    def prepare(self, body: dict[str, Any]) -> tuple[View | None, dict[str, Any]]:
+        chat = anthropic.chat_request(body)
+        return View(chat["messages"], template_fields(chat)), chat
 
     def answer(self, raw: bytes, body: dict[str, Any]) -> bytes:
-        return orjson.dumps(anthropic.answer(orjson.loads(raw), body))
+        return dumps(anthropic.answer(orjson.loads(raw), body)).encode()
 
     def converter(self, body: dict[str, Any]) -> Converter | None:
         return anthropic.MessagesStream()

@@ -123,7 +123,7 @@ async def chat_completions(request: Request) -> Response:
     state = state_of(request)
     body = await read_json(request)
     params = task_params(state, body, tokenize(render_messages(body)))
-    shape = ChatShape(state.config.model, include_usage(body))
+    shape = ChatShape(state.config.model, include_usage(body), body.get("timings_per_token") is True)
     return await run_task(request, params, shape, body.get("stream") is True)
 
 

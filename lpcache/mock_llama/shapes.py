@@ -79,9 +79,13 @@ class Shape:
 
 
 class ChatShape(Shape):
-    def __init__(self, model: str, include_usage: bool = False) -> None:
+    """`per_token`: the request's `timings_per_token` (each token's chunk carries the timings so far, as the last
+    chunk of each partial result does on llama-server)."""
+
+    def __init__(self, model: str, include_usage: bool = False, per_token: bool = False) -> None:
         super().__init__(model, include_usage)
         self.id = "chatcmpl-" + secrets.token_urlsafe(24)
+        self.per_token = per_token
 
     def body(self, gen: Generation) -> dict[str, Any]:
         message = {"role": "assistant", "content": answer_text(gen.generated)}
@@ -96,7 +100,8 @@ class ChatShape(Shape):
         return [self._chunk([self._choice({"role": "assistant", "content": None})])]
 
     def delta(self, gen: Generation, text: str) -> dict[str, Any]:
-        return self._chunk([self._choice({"content": text})])
+        chunk = self._chunk([self._choice({"content": text})])
+        return chunk | {"timings": gen.timings()} if self.per_token else chunk
 
     def tail(self, gen: Generation) -> list[dict[str, Any]]:
         return self._openai_tail(gen, self._chunk([self._choice({}, FINISH_REASON)]))
