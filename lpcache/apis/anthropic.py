@@ -349,7 +349,12 @@ class MessagesStream:
         if not block.startswith(b"data: ") or block == b"data: [DONE]":   # /v1/messages ends without [DONE]
             return b""
         data = block[6:]
-        chunk = orjson.loads(data)
+        try:
+            chunk = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return b""   # not llama-server's: nothing to convert
+        if not isinstance(chunk, dict):
+            return b""
         if "error" in chunk and "choices" not in chunk:
             # llama-server's own bytes of the error, as /v1/messages writes them
             inner = data[9:-1] if data.startswith(b'{"error":') else dumps(chunk["error"]).encode()

@@ -409,6 +409,11 @@ def test_pings_pass_done_is_dropped_and_an_error_keeps_llama_servers_bytes() -> 
     assert b"DONE" not in raw
 
 
+def test_what_is_not_a_chat_chunk_is_left_out() -> None:
+    assert convert([b"data: {not json\n\n", b"data: [1]\n\n", b"event: x\n\n", chunk({"content": "x"}, 2)]) \
+        == convert([chunk({"content": "x"}, 2)])
+
+
 def test_usage_is_the_last_timings_read() -> None:
     stream = MessagesStream()
     stream.feed(chunk({"content": "x"}, 1) + chunk({}, 4, "length"))
