@@ -120,7 +120,7 @@ class Attempts:
         if self.group is not None:
             self.group.start()
 
-    def end_group(self, error: dict[str, Any] | None) -> None:
+    def end_group(self, error: dict[str, Any] | None, status: int | None = None) -> None:
         """Tell the followers the answer is complete (error None) or failed, and let a new group start."""
         if self.group is None:
             return
@@ -128,7 +128,7 @@ class Attempts:
             self.group.finish(200)
         else:
             self.record.reason = self.record.reason or "coalesce_leader_failed"
-            self.group.fail(error)
+            self.group.fail(error, status)
         self.p.coalescer.close(self.group)
         self.group = None
 

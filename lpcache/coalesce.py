@@ -60,6 +60,7 @@ class Group:
     """
 
     def __init__(self, key: str, stream: bool) -> None:
+        self._error_status: int | None = None
         self.key = key
         self.stream = stream
         self.followers = 0
@@ -108,10 +109,13 @@ class Group:
         self.headers = list(headers or [])
         self._wake()
 
-    def fail(self, error: dict[str, Any]) -> None:
+    def fail(self, error: dict[str, Any], status: int | None = None) -> None:
+        """The leader failed: followers get `error` (its body, in the API's shape) with `status` (else the error's
+        own HTTP code, else 502)."""
         if self.done:
             return
         self._error = _envelope(error)
+        self._error_status = status
         self._wake()
 
     async def chunks(self) -> AsyncIterator[bytes]:
@@ -180,7 +184,7 @@ class Group:
         """What a JSON follower sends: (HTTP status, body)."""
         await self.wait()
         if self._error is not None:
-            return _http_code(self._error), orjson.dumps(self._error)
+            return self._error_status or _http_code(self._error), orjson.dumps(self._error)
         if self._status != 200:
             return self._status or 502, self.body()
         if not self.stream:

@@ -23,7 +23,7 @@ from starlette.types import ASGIApp
 from .attempts import Crew
 from .backends import Backend
 from .config import Settings
-from .errors import BackendUnreachable, ProxyError
+from .errors import BackendUnreachable, BadRequest, ProxyError
 from .record import RequestRecord
 from .relay import PassThrough
 from .sessions import route_name
@@ -74,7 +74,10 @@ async def generate(crew: Crew, settings: Settings, path: str, path_qs: str, head
                 await crew.saver.save_held(backend, slot, held, record)
             if pinned:
                 body["id_slot"] = slot.id
-            data = orjson.dumps(body) if pinned else raw
+            try:
+                data = orjson.dumps(body) if pinned else raw
+            except TypeError as e:   # orjson reads 1024 levels of nesting but writes only 254
+                raise BadRequest(f"request body cannot be passed on: {e}", code="invalid_body") from e
             slot.phase = "generate"
             upstream = await backend.client.forward("POST", path_qs, headers, data)
         except BackendUnreachable as e:
@@ -97,8 +100,8 @@ def _done(crew: Crew, slot: Slot, backend: Backend, pinned: bool) -> Any:
         if pinned:
             crew.pool.release(slot, None)      # it holds the answer's prompt now: unknown to lpcache
         else:
-            backend.suspect = True             # the server chose a slot itself: check them before their next use
             crew.pool.release(slot, True)
+        backend.suspect = True   # the server chose a slot itself (no pin, or n > 1): check them before their next use
         crew.notify(record)
 
     return done

@@ -26,7 +26,7 @@ import orjson
 BLOCK_CHARS = 64
 # Request fields a chat template reads besides the messages (llama-server's chat parameters).
 TEMPLATE_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "reasoning_format",
-                   "add_generation_prompt", "chat_template", "continue_final_message")
+                   "reasoning_effort", "add_generation_prompt", "chat_template", "continue_final_message")
 _MESSAGE_FIELDS = ("role", "name", "content", "tool_calls", "tool_call_id")
 _SORTED = orjson.OPT_SORT_KEYS
 

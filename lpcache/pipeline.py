@@ -90,28 +90,30 @@ class Pipeline:
         call = await Call.read(api, raw, request.url.path, self.settings)
         body, prompt, chat = call.body, call.prompt, api.name == "chat"
         record.model, record.stream = call.model, call.stream
+        # With client keys, Authorization is lpcache's own; without, it goes on to llama-server as it came.
+        passed = {k: v for k, v in request.headers.items() if not (self.settings.api_keys and k == "authorization")}
         router = await self.routers.unknown(call.model)
         if router is not None:   # no router serves that model: it says so itself, and nothing is made for it
-            return await router_says(router, request, body, record, self.notify)
-        if prompt is None:       # a body the cache cannot key (several prompts...): a slot of the pool, uncached
-            relay = await forwarded.generate(self.crew, self.settings, request.url.path, _path_qs(request),
-                                             dict(request.headers), raw, record)
-            assert relay is not None
-            return relay
-        record.key, record.n_words, record.big = prompt.key, prompt.n_words, call.big
+            return await router_says(router, request.url.path, passed, body, record, self.notify)
         # Who asks: answers are shared (coalescing, the result cache) only within one client and one session.
         client = client_identity(request.headers.get("authorization"), bool(self.settings.api_keys))
         session = request.headers.get("x-session-id")
         view, listeners = None, []
         if self.prefilters:
-            view = ChatRequest(body=dict(body) if chat else {**body, "messages": call.messages}, key=prompt.key,
-                               model=call.model, stream=call.stream, text=raw_prefix(call.messages),
-                               headers=shown_headers(request.headers), client_key=client, session=session,
-                               api=api.name)
+            view = ChatRequest(body=dict(body) if chat else {**body, "messages": call.shown},
+                               key=prompt.key if prompt else "", model=call.model, stream=call.stream,
+                               text=raw_prefix(call.shown), headers=shown_headers(request.headers),
+                               client_key=client, session=session, api=api.name)
             served = await self.prefilter(view, record)
             if served is not None:
                 return ServedRelay(served, record, self.notify, self.spawn, view)
-            listeners = answer_wanted_by(self.prefilters, view) if chat else []
+            listeners = answer_wanted_by(self.prefilters, view) if chat and prompt else []
+        if prompt is None:       # a body the cache cannot key (several prompts...): a slot of the pool, uncached
+            relay = await forwarded.generate(self.crew, self.settings, request.url.path, _path_qs(request),
+                                             passed, raw, record)
+            assert relay is not None
+            return relay
+        record.key, record.n_words, record.big = prompt.key, prompt.n_words, call.big
         want = await self.session_cache(request, prompt, call.messages, record, len(raw))
         if call.big:
             call.send["cache_prompt"] = True
@@ -149,7 +151,7 @@ class Pipeline:
             raise ClientGone() from None
         except ProxyError as e:
             watch.stop()
-            attempts.end_group(e.body())
+            attempts.end_group(orjson.loads(api.error(e)[0]), e.status)   # the followers get what the leader gets
             raise
         except BaseException:
             watch.stop()
@@ -230,8 +232,8 @@ def _path_qs(request: Request) -> str:
     return request.url.path + (f"?{query}" if query else "")
 
 
-async def router_says(router: Backend, request: Request, body: dict[str, Any], record: RequestRecord,
-                      notify: Callable[[RequestRecord], None]) -> ASGIApp:
-    headers = {k: v for k, v in request.headers.items() if k.lower() != "content-length"}
-    upstream = await router.client.forward("POST", request.url.path, headers, orjson.dumps(body))
+async def router_says(router: Backend, path: str, headers: dict[str, str], body: dict[str, Any],
+                      record: RequestRecord, notify: Callable[[RequestRecord], None]) -> ASGIApp:
+    headers = {k: v for k, v in headers.items() if k.lower() != "content-length"}
+    upstream = await router.client.forward("POST", path, headers, orjson.dumps(body))
     return PassThrough(upstream, record, notify)

@@ -144,7 +144,7 @@ class JsonRelay:
                 err = ProxyError("backend answered a body that is not a JSON object", status=502,
                                  type="backend_error", code="provider_non_object")
                 self.record.reason = "provider_non_object"
-                status, body = err.status, error_body(err)
+                status, body = err.status, self.api.error(err)[0] if self.api else error_body(err)
             self.record.status = status
             self.record.bytes_out = len(body)
             await send({"type": "http.response.start", "status": status,
@@ -256,7 +256,17 @@ class SseRelay:
             started = True
             self.source.streaming()
             self.record.status = 200
-            item = await self._pump(send, queue, item)
+            try:
+                item = await self._pump(send, queue, item)
+            except _Unconvertible as e:
+                # the client's stream ends with an error event, as llama-server ends a stream that failed
+                log.warning("stream_unconvertible backend=%s: %s", self.record.backend, e)
+                self.record.reason = "provider_bad_answer"
+                event = b"event: error\ndata: " + orjson.dumps({"code": 502, "message": str(e),
+                                                                "type": "backend_error"}) + b"\n\n"
+                self.record.bytes_out += len(event)
+                await send({"type": "http.response.body", "body": event, "more_body": False})
+                return
             if isinstance(item, BaseException) and self._done:
                 # The connection broke after the stream's last event: the answer is whole (nothing may follow
                 # [DONE]), the connection is not reusable.
@@ -317,7 +327,10 @@ class SseRelay:
     async def _pass(self, send: Send, data: bytes) -> None:
         self._done = data.endswith((b"data: [DONE]\n\n", b"data: [DONE]\r\n\r\n"))
         if self.convert is not None:
-            data = self.convert.feed(data)
+            try:
+                data = self.convert.feed(data)
+            except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+                raise _Unconvertible(f"backend stream cannot be converted: {type(e).__name__}: {e}") from e
             if not data:
                 return
         self.source.tee(data)
@@ -334,6 +347,10 @@ class SseRelay:
             self.source.tee(data)
             self.record.bytes_out += len(data)
         return data
+
+
+class _Unconvertible(Exception):
+    """The upstream's stream could not be turned into the client's API's."""
 
 
 def _whole_events(data: bytes) -> int:

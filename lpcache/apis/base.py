@@ -6,8 +6,8 @@ llama-server and where (the pin is `id_slot` in the body for every route that pa
 turned into what the client expects (unchanged, except for Messages), and how lpcache's own errors look.
 
 Bad input is the client's error: 422 for a body that is not JSON, 400 for JSON the API cannot take. A body an adapter
-cannot cache but llama-server may serve (several prompts at once, `n` > 1) is not refused: `Api.view` returns None
-and the request goes to a slot of the pool uncached (`forwarded`).
+cannot cache but llama-server may serve (several prompts at once, `n` > 1) is not refused: its `View` is not
+`cacheable`, the prefilters still read it, and it goes to a slot of the pool uncached (`forwarded`).
 
 Parsing and hashing take time in proportion to the body (100-250 ns a byte: a 16 MiB body is seconds), so a body
 above OFF_LOOP_BYTES is handled in a worker thread (`off_loop`).
@@ -62,11 +62,14 @@ def check_common(body: dict[str, Any]) -> None:
 @dataclass(frozen=True)
 class View:
     """A body as the cache sees it: messages and template fields (`identity`), and optionally the words' text
-    (a token-array prompt has no words of its own: its token ids count as words)."""
+    (a token-array prompt has no words of its own: its token ids count as words). `cacheable` False: no one prompt
+    for one slot (served uncached); `shown`: what prefilters read when it is more than the identity's messages."""
 
     messages: list[Any]
     template: dict[str, Any] = field(default_factory=dict)
     words: str | None = None
+    cacheable: bool = True
+    shown: list[Any] | None = None
 
 
 class Converter(Protocol):
@@ -87,15 +90,15 @@ class Api:
     def check(self, body: dict[str, Any]) -> None:
         """Raise BadRequest for a body this API cannot take."""
 
-    def view(self, body: dict[str, Any]) -> View | None:
-        """The prompt as the cache sees it; None when the body cannot be cached (it is served uncached)."""
+    def view(self, body: dict[str, Any]) -> View:
+        """The prompt as the cache sees it (`cacheable` False: the body is served uncached)."""
         raise NotImplementedError
 
     def outgoing(self, body: dict[str, Any]) -> dict[str, Any]:
         """What goes to llama-server (the pin is added when the slot is known)."""
         return body
 
-    def prepare(self, body: dict[str, Any]) -> tuple[View | None, dict[str, Any]]:
+    def prepare(self, body: dict[str, Any]) -> tuple[View, dict[str, Any]]:
         """`view` and `outgoing` together (an adapter that converts the body does it once for both)."""
         return self.view(body), self.outgoing(body)
 
@@ -118,13 +121,13 @@ class Api:
         model = body.get("model") or settings.model_id
         view, send = self.prepare(body)
         prompt = None
-        if view is not None:
+        if view.cacheable:
             prompt = Prompt.of(model, view.messages, settings.words_per_block, view.template, view.words)
             if self.name != "chat":   # its answers are another API's: never a chat request's result or coalesced
                 prompt = replace(prompt, key=cache_key(self.name, prompt.key))
         big = prompt is not None and prompt.n_words > settings.big_threshold_words
-        return Call(self, path, body, send, model, bool(body.get("stream")), prompt, big,
-                    view.messages if view is not None else [])
+        return Call(self, path, body, send, model, bool(body.get("stream")), prompt, big, view.messages,
+                    view.messages if view.shown is None else view.shown)
 
 
 @dataclass(frozen=True)
@@ -139,7 +142,8 @@ class Call:
     stream: bool
     prompt: Prompt | None
     big: bool
-    messages: list[Any]
+    messages: list[Any]                 # the prompt as messages (identity, the session's comparison)
+    shown: list[Any]                    # what prefilters read (all the prompt's text)
 
     @classmethod
     async def read(cls, api: Api, raw: bytes, path: str, settings: Settings) -> Call:

@@ -30,7 +30,7 @@ class ChatApi(Api):
     def check(self, body: dict[str, Any]) -> None:
         check_messages(body.get("messages"))
 
-    def view(self, body: dict[str, Any]) -> View | None:
-        if isinstance(body.get("n"), int) and body["n"] > 1:
-            return None   # llama-server runs the extra answers unpinned, in any slot
-        return View(body["messages"], template_fields(body))
+    def view(self, body: dict[str, Any]) -> View:
+        # n > 1: llama-server runs the extra answers unpinned, in any slot
+        one = not (isinstance(body.get("n"), int) and body["n"] > 1)
+        return View(body["messages"], template_fields(body), cacheable=one)

@@ -26,14 +26,15 @@ class CompletionsApi(Api):
         if "prompt" not in body:
             raise BadRequest("'prompt' is required", code="invalid_prompt")
 
-    def view(self, body: dict[str, Any]) -> View | None:
+    def view(self, body: dict[str, Any]) -> View:
         prompt = body["prompt"]
-        for many in ("n", "n_cmpl"):
-            if isinstance(body.get(many), int) and body[many] > 1:
-                return None
+        one = not any(isinstance(body.get(many), int) and body[many] > 1 for many in ("n", "n_cmpl"))
         template = {"api": self.name}
         if isinstance(prompt, str):
-            return View([{"role": "prompt", "content": prompt}], template)
+            return View([{"role": "prompt", "content": prompt}], template, cacheable=one)
         if _token_ids(prompt):
-            return View([{"role": "prompt", "content": prompt}], template, " ".join(map(str, prompt)))
-        return None
+            return View([{"role": "prompt", "content": prompt}], template, " ".join(map(str, prompt)), one)
+        prompts = prompt if isinstance(prompt, list) else [prompt]   # several prompts, or a multimodal object
+        shown = [{"role": "prompt", "content": p if isinstance(p, str) else
+                  p.get("prompt_string") if isinstance(p, dict) else None} for p in prompts]
+        return View(shown, template, cacheable=False)

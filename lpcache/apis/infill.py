@@ -34,17 +34,17 @@ class InfillApi(Api):
                 for c in extra):
             raise BadRequest("'input_extra' must be an array of {filename, text} objects", code="invalid_input_extra")
 
-    def view(self, body: dict[str, Any]) -> View | None:
+    def view(self, body: dict[str, Any]) -> View:
         extra = [{"filename": c.get("filename", "tmp"), "text": c.get("text", "")} for c in body.get("input_extra", [])]
         items: list[Any] = [{"role": "input_extra", "content": extra_text(extra)}]
-        texts = [c["text"] for c in extra]
         prefix = body.get("input_prefix", "")
+        rest = [{"role": "input_prefix", "content": prefix}, {"role": "prompt", "content": body.get("prompt", "")},
+                {"role": "input_suffix", "content": body.get("input_suffix", "")}]
+        shown = [*items, *rest]
+        texts = [c["text"] for c in extra] + [m["content"] for m in rest]
         if len(prefix) <= PREFIX_EXACT_CHARS:
-            items += [{"role": "input_prefix", "content": prefix},
-                      {"role": "prompt", "content": body.get("prompt", "")},
-                      {"role": "input_suffix", "content": body.get("input_suffix", "")}]
-            texts += [prefix, body.get("prompt", ""), body.get("input_suffix", "")]
-        return View(items, {"api": self.name}, "\n".join(texts))
+            return View(shown, {"api": self.name}, "\n".join(texts))
+        return View(items, {"api": self.name}, "\n".join(texts), shown=shown)
 
 
 def extra_text(extra: list[dict[str, str]]) -> str:

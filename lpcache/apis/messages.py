@@ -32,13 +32,13 @@ class MessagesApi(Api):
     def check(self, body: dict[str, Any]) -> None:
         check_messages(body.get("messages"))
 
-    def view(self, body: dict[str, Any]) -> View | None:
+    def view(self, body: dict[str, Any]) -> View:
         return self.prepare(body)[0]
 
     def outgoing(self, body: dict[str, Any]) -> dict[str, Any]:
         return self.prepare(body)[1]
 
-    def prepare(self, body: dict[str, Any]) -> tuple[View | None, dict[str, Any]]:
+    def prepare(self, body: dict[str, Any]) -> tuple[View, dict[str, Any]]:
         chat = anthropic.chat_request(body)
         return View(chat["messages"], template_fields(chat)), chat
 

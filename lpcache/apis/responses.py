@@ -14,7 +14,10 @@ from ..errors import BadRequest
 from .base import Api, View
 
 # Request fields llama-server's conversion hands to the chat template besides the input.
-TEMPLATE_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "reasoning", "text", "chat_template_kwargs")
+# llama-server copies the whole body into the chat request, so the chat template fields count too.
+TEMPLATE_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "reasoning", "text", "chat_template_kwargs",
+                   "reasoning_effort", "reasoning_format", "add_generation_prompt", "continue_final_message",
+                   "chat_template")
 
 
 class ResponsesApi(Api):
@@ -29,13 +32,12 @@ class ResponsesApi(Api):
         if "instructions" in body and not isinstance(body["instructions"], str | None):
             raise BadRequest("'instructions' must be a string", code="invalid_instructions")
 
-    def view(self, body: dict[str, Any]) -> View | None:
-        if body.get("previous_response_id"):
-            return None
+    def view(self, body: dict[str, Any]) -> View:
         items: list[Any] = []
-        if isinstance(body.get("instructions"), str):
-            items.append({"role": "system", "content": body["instructions"]})
+        if "instructions" in body:   # llama-server adds the system message whenever the key is there
+            instructions = body["instructions"]
+            items.append({"role": "system", "content": instructions if isinstance(instructions, str) else ""})
         given = body["input"]
         items += [{"role": "user", "content": given}] if isinstance(given, str) else given
         template = {"api": self.name, **{k: body[k] for k in TEMPLATE_FIELDS if k in body}}
-        return View(items, template)
+        return View(items, template, cacheable=not body.get("previous_response_id"))

@@ -39,6 +39,11 @@ def message_texts(body: Mapping[str, Any]) -> Iterator[str]:
         for field in ("arguments", "output"):
             if isinstance(message.get(field), str):
                 yield message[field]
+        calls = message.get("tool_calls")
+        for call in calls if isinstance(calls, list) else ():
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                yield function["arguments"]
         content = message.get("content")
         if isinstance(content, str):
             yield content

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import random
 import threading
+import time
 from typing import Any
 
 import httpx
@@ -222,3 +223,85 @@ def test_a_body_no_adapter_can_key_is_served_uncached(start_backend: Any, start_
     assert r.status_code == 200
     assert record(proxy).api == "completions" and record(proxy).key is None
     assert proxy.pipeline.pool.slots[0].content is None and proxy.busy_slots() == []
+
+
+KEYWORD = ({"name": "keyword", "params": {"keywords": ["forbidden-word"]}},)
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a forbidden-word here"}], "n": 2}),
+    ("/v1/completions", {"prompt": ["fine", "a forbidden-word here"]}),
+    ("/v1/responses", {"input": "a forbidden-word here", "previous_response_id": "resp_1"}),
+    ("/v1/messages", {"max_tokens": 4, "messages": [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "run",
+                                           "input": {"cmd": "echo forbidden-word"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}]}]}),
+    ("/infill", {"input_prefix": "x = 1\n" * 400 + "# forbidden-word", "input_suffix": ""}),
+])
+def test_prefilters_read_every_apis_text_cached_or_not(start_backend: Any, start_proxy: Any, path: str,
+                                                       body: dict[str, Any]) -> None:
+    backend = start_backend(slots=1)
+    proxy = start_proxy(backend, plugins=KEYWORD)
+    r = post(proxy, path, body)
+    assert r.status_code == 400, (path, r.text)
+    assert mock_stats(backend)["chat_requests"] == 0 and proxy.busy_slots() == []
+
+
+def test_uncached_requests_keep_lpcaches_key_to_themselves(start_backend: Any, start_proxy: Any) -> None:
+    backend = start_backend(slots=1, api_key="server-key")
+    proxy = start_proxy(backend, api_keys=("client-key",))
+    for body in ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, {"prompt": ["a", "b"]}):
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        r = proxy.client.post(path, json=body, headers={"Authorization": "Bearer client-key"})
+        assert r.status_code == 401, r.text   # the server's own refusal: lpcache's key never went on to it
+
+
+def test_a_deeply_nested_uncached_body_is_a_400(start_backend: Any, start_proxy: Any) -> None:
+    proxy = start_proxy(start_backend(slots=1))
+    nested: Any = "x"
+    for _ in range(300):
+        nested = {"a": nested}
+    r = post(proxy, "/v1/completions", {"prompt": nested})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_body"
+    assert proxy.busy_slots() == []
+
+
+def test_lpcaches_own_refusals_on_messages_have_anthropics_shape(start_backend: Any, start_proxy: Any) -> None:
+    backend = start_backend(slots=1, gen_ms_per_token=50.0)
+    proxy = start_proxy(backend, api_keys=("k1",))
+    r = proxy.client.post("/v1/messages", json=messages_body(AgentLoop(14, words=20)))
+    assert r.status_code == 401 and r.json()["type"] == "error"
+    assert r.json()["error"]["type"] == "authentication_error"
+    r = proxy.client.post("/v1/responses", json={"input": "hi"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_coalesced_messages_followers_get_the_leaders_error(start_backend: Any, start_proxy: Any) -> None:
+    backend = start_backend(slots=1, gen_ms_per_token=200.0)
+    proxy = start_proxy(backend, coalesce_requests=True, slot_wait_timeout=1.0)
+    holder = threading.Thread(target=lambda: proxy.client.post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hold the slot"}], "max_tokens": 40},
+        timeout=60))
+    holder.start()
+    body = messages_body(AgentLoop(15, words=20))
+    answers: list[httpx.Response] = []
+    lock = threading.Lock()
+
+    def send() -> None:
+        r = httpx.post(proxy.url + "/v1/messages", json=body, timeout=60)
+        with lock:
+            answers.append(r)
+
+    deadline = time.monotonic() + 30
+    while not proxy.busy_slots():   # until the holder has the only slot (polled: no event tells it)
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    threads = [threading.Thread(target=send) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    holder.join()
+    assert [a.status_code for a in answers] == [503] * 3
+    assert all(a.json()["type"] == "error" and a.json()["error"]["type"] == "unavailable_error" for a in answers)
