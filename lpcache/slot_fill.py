@@ -343,8 +343,12 @@ class SlotFiller:
                 record.restore_reused = record.cache_n >= REUSE_SHORT * record.restore_expected
             return
         speeds = self.speeds.of(backend.index, RouterModels.served(backend, prompt.model))
+        # More from the cache than the slot's shared blocks hold, and more than all the slot held (when known: the
+        # slot alone cannot explain it then; it still holds what it held, until the request's slot is released):
+        # the server's RAM prompt cache served it.
+        held = choice.slot.content.tokens if choice.slot.content is not None else None
         if not record.restored and not backend.ram_cache and record.cache_n >= REUSE_MIN_TOKENS + speeds.tokens_of(
-                choice.resident + 2):
+                choice.resident + 2) and (held is None or record.cache_n > held):
             backend.ram_cache = True
             log.info("backend_ram_cache url=%s cache_n=%d: llama-server's RAM prompt cache served a prompt no slot "
                      "held; what it likely holds is left to it rather than restored from disk", backend.url,
