@@ -139,8 +139,10 @@ def test_a_completion_between_two_chat_turns_leaves_no_false_hit(one_slot: Llama
         r = proxy.client.post("/v1/completions", json={"prompt": chats.text(random.Random(5), 300),
                                                        "max_tokens": 4}, timeout=300)
         assert r.status_code == 200
-        proxy.settle()
-        assert proxy.pipeline.pool.slots[0].content is None      # what it holds now is unknown to lpcache
+        proxy.wait_finished(2, timeout=300)
+        held = proxy.pipeline.pool.slots[0].content              # what it holds now: the completion's prompt
+        completion = next(record for record in proxy.records if record.api == "completions")
+        assert held is not None and held.prompt is not None and held.prompt.key == completion.key
         r = ledger.send(conv.advance(answer or "Done."), "next turn after a completion")
         assert r.headers["x-lpcache-restored"] == "true" and r.headers["x-lpcache-cache-hit"] == "true"
     finally:
