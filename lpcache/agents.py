@@ -178,7 +178,7 @@ def _plan(rng: random.Random, steps: int) -> list[list[str]]:
             continue
         name = rng.choices(("read_file", "search_code", "run_shell", "apply_patch", "write_file", "list_dir"),
                            (5, 2, 3, 2, 1, 1))[0]
-        plan.append([name, "read_file"] if name == "read_file" and rng.random() < 0.15 else [name])
+        plan.append([name, "read_file"] if name == "read_file" and rng.random() < 0.12 else [name])
     return plan[:steps]
 
 
