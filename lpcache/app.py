@@ -1,7 +1,7 @@
 """The ASGI app: routes, start and stop, and the one place errors become OpenAI-shaped responses.
 
-Routes: POST /v1/chat/completions (and /chat/completions) through the cache pipeline; the other generation routes
-through a slot of the pool (`forwarded`); GET /v1/models (the backends' models, merged); GET /health; client slot
+Routes: every generation API (`apis`: chat, Responses, Messages, completions, infill) through the cache pipeline;
+GET /v1/models (the backends' models, merged); GET /health; client slot
 actions refused unless allowed; everything else is passed to a backend unchanged, so a client pointed at lpcache
 instead of llama-server loses nothing. A method no route takes (TRACE, PROPFIND...) gets an OpenAI-shaped 405.
 """
@@ -25,12 +25,14 @@ from starlette.routing import Route
 from starlette.types import ASGIApp
 
 from . import __version__
+from .apis import BY_PATH
+from .apis.base import Api
 from .backends import Prober, start_backends
 from .cache_files import GIB
 from .config import Settings, describe
 from .edge import HeaderLimits
 from .errors import BackendUnreachable, BadRequest, ClientGone, ClientGoneReading, ProxyError
-from .forwarded import GENERATION_ROUTES, generate, slot_actions_refused, slot_touched
+from .forwarded import slot_actions_refused, slot_touched
 from .guard import ApiKeys, read_body
 from .index import MetaIndex
 from .llama import client_session
@@ -56,8 +58,9 @@ class OrjsonResponse(JSONResponse):
         return orjson.dumps(content)
 
 
-def error_response(err: ProxyError) -> Response:
-    body, content_type = err.payload()   # a backend's own error answer as it came, else OpenAI's shape
+def error_response(err: ProxyError, api: Api | None = None) -> Response:
+    # a backend's own error answer as it came, else OpenAI's shape (Anthropic's on /v1/messages)
+    body, content_type = api.error(err) if api is not None else err.payload()
     # 408 and 413 come before the body was read to its end: the connection cannot serve another request
     headers = {"connection": "close"} if err.status in (408, 413) else None
     return Response(body, status_code=err.status, media_type=content_type, headers=headers)
@@ -86,11 +89,13 @@ def _pipeline(request: Request) -> Pipeline:
     return request.app.state.pipeline  # type: ignore[no-any-return]
 
 
-async def chat_completions(request: Request) -> ASGIApp:
+async def generation(request: Request) -> ASGIApp:
+    """Every generation API through the cache pipeline (`apis`)."""
     pipeline = _pipeline(request)
     record = new_record(request)
+    api = BY_PATH[request.url.path]
     try:
-        return await pipeline.chat(request, record)
+        return await pipeline.generate(request, record, api)
     except ClientGoneReading:
         return client_left_reading(pipeline, record)
     except ClientGone:
@@ -100,7 +105,7 @@ async def chat_completions(request: Request) -> ASGIApp:
         record.reason = record.reason or {400: "invalid_request", 422: "invalid_request", 408: "client_timeout",
                                           413: "request_too_large"}.get(e.status, "backend_error")
         pipeline.notify(record)
-        return error_response(e)
+        return error_response(e, api)
 
 
 async def models(request: Request) -> Response:
@@ -192,11 +197,6 @@ async def forward(request: Request) -> ASGIApp:
         return error_response(slot_actions_refused())
     try:
         body = await read_body(request, pipeline.settings.max_body_bytes, pipeline.settings.client_timeout)
-        if request.method == "POST" and request.url.path in GENERATION_ROUTES:
-            relay = await generate(pipeline.crew, pipeline.settings, request.url.path, path_qs, headers, body,
-                                   record)
-            if relay is not None:
-                return relay
     except ClientGoneReading:
         return client_left_reading(pipeline, record)
     except ProxyError as e:
@@ -370,8 +370,7 @@ def create_app(settings: Settings, plugins: Loaded | None = None) -> Starlette:
 
     app = Starlette(
         routes=[
-            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-            Route("/chat/completions", chat_completions, methods=["POST"]),
+            *(Route(path, generation, methods=["POST"]) for path in BY_PATH),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics.endpoint, methods=["GET"]),

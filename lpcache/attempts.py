@@ -25,7 +25,7 @@ import orjson
 from .backends import Backend
 from .coalesce import Coalescer, Group, aggregate_sse
 from .errors import BackendError, BackendUnreachable, ProxyError
-from .llama import Upstream
+from .llama import CHAT_PATH, Upstream
 from .plugins.base import MAX_ANSWER_BYTES, Answer, ChatRequest, Prefilter
 from .prefix import Prompt
 from .record import RequestRecord
@@ -77,6 +77,7 @@ class Attempts:
         self.upstream: Upstream | None = None
         self.sent = False                   # the current try's request went to the backend
         self.group: Group | None = None     # when coalescing: the followers waiting for this answer
+        self.path = CHAT_PATH               # llama-server's route for the request (`apis.Call.upstream_path`)
 
     # ---- what the relay uses ----
 
@@ -119,7 +120,7 @@ class Attempts:
         if self.group is not None:
             self.group.start()
 
-    def end_group(self, error: dict[str, Any] | None) -> None:
+    def end_group(self, error: dict[str, Any] | None, status: int | None = None) -> None:
         """Tell the followers the answer is complete (error None) or failed, and let a new group start."""
         if self.group is None:
             return
@@ -127,7 +128,7 @@ class Attempts:
             self.group.finish(200)
         else:
             self.record.reason = self.record.reason or "coalesce_leader_failed"
-            self.group.fail(error)
+            self.group.fail(error, status)
         self.p.coalescer.close(self.group)
         self.group = None
 
@@ -225,7 +226,7 @@ class Attempts:
                     self.record.cache_hit = choice.resident > 0
                 self.sent = True
                 choice.slot.phase = "generate"
-                upstream = await backend.client.chat(self.body, choice.slot.id, client_auth=self.client_auth)
+                upstream = await backend.client.chat(self.body, choice.slot.id, self.path, self.client_auth)
             except BackendUnreachable:
                 raise   # `start` fails over (`_failed`)
             except asyncio.CancelledError:

@@ -25,14 +25,17 @@ log = logging.getLogger("lpcache.coalesce")
 _NOT_IN_KEY = ("stream", "stream_options")  # how the answer is delivered, not what it says
 
 
-def coalesce_key(body: dict[str, Any], client: str | None = None, session: str | None = None) -> str | None:
+def coalesce_key(body: dict[str, Any], client: str | None = None, session: str | None = None,
+                 route: str | None = None) -> str | None:
     """SHA-256 of the canonical JSON of everything that shapes the answer's content, of who asks (`client`: a digest
-    of the client's key, never the key) and of its session (X-Session-ID). None when the body cannot be written
-    canonically (nested deeper than orjson writes): such a request is not coalesced, and fails alone as it would
-    without coalescing."""
+    of the client's key, never the key) and of its session (X-Session-ID); `route`: for an API other than chat, its
+    path and whether it streams (answers are converted between JSON and SSE only for chat). None when the body
+    cannot be written canonically (nested deeper than orjson writes): such a request is not coalesced, and fails
+    alone as it would without coalescing."""
     kept = {k: v for k, v in body.items() if k not in _NOT_IN_KEY}
     try:
-        raw = orjson.dumps({"body": kept, "client": client, "session": session}, option=orjson.OPT_SORT_KEYS)
+        raw = orjson.dumps({"body": kept, "client": client, "session": session, "route": route},
+                           option=orjson.OPT_SORT_KEYS)
     except TypeError:   # orjson.JSONEncodeError: it reads 1024 levels of nesting but writes only 254
         return None
     return hashlib.sha256(raw).hexdigest()
@@ -57,6 +60,7 @@ class Group:
     """
 
     def __init__(self, key: str, stream: bool) -> None:
+        self._error_status: int | None = None
         self.key = key
         self.stream = stream
         self.followers = 0
@@ -105,10 +109,13 @@ class Group:
         self.headers = list(headers or [])
         self._wake()
 
-    def fail(self, error: dict[str, Any]) -> None:
+    def fail(self, error: dict[str, Any], status: int | None = None) -> None:
+        """The leader failed: followers get `error` (its body, in the API's shape) with `status` (else the error's
+        own HTTP code, else 502)."""
         if self.done:
             return
         self._error = _envelope(error)
+        self._error_status = status
         self._wake()
 
     async def chunks(self) -> AsyncIterator[bytes]:
@@ -177,7 +184,7 @@ class Group:
         """What a JSON follower sends: (HTTP status, body)."""
         await self.wait()
         if self._error is not None:
-            return _http_code(self._error), orjson.dumps(self._error)
+            return self._error_status or _http_code(self._error), orjson.dumps(self._error)
         if self._status != 200:
             return self._status or 502, self.body()
         if not self.stream:

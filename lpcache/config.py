@@ -326,13 +326,14 @@ OPTIONS: tuple[Option, ...] = (
            "otherwise: they would change slots behind lpcache's back). GET /slots is always passed on.",
            metavar="BOOL"),
     Option("COALESCE_REQUESTS", "--coalesce-requests", _bool, "false",
-           "Concurrent identical chat requests (same messages, model and generation parameters, same client key "
-           "or Authorization, same X-Session-ID) share one backend call.", metavar="BOOL"),
+           "Concurrent identical generation requests (same route and body: prompt, model and generation "
+           "parameters; same client key or Authorization, same X-Session-ID) share one backend call.",
+           metavar="BOOL"),
     Option("LPCACHE_API_KEYS", "--api-keys", _keys, None,
            "Client keys: a comma-separated list, or @FILE with one key per line. When set, every request but "
            "GET /health needs Authorization: Bearer <key> (else 401).", metavar="KEYS"),
     Option("MAX_BODY_BYTES", "--max-body-bytes", _int(1), "16777216",
-           "Largest request body accepted, in bytes (413 above it). 16 MiB: a 128k-token chat's text weighs about "
+           "Largest request body accepted, in bytes (413 above it). 16 MiB: a 128k-token prompt's text weighs about "
            "0.4 MB as JSON; the rest leaves room for about 20 images of 600 KB sent as data URLs.", metavar="BYTES"),
     Option("CLIENT_TIMEOUT", "--client-timeout", _float(0.0, exclusive_min=True), "30",
            "Seconds a client may take to send a request's head (from its connection, or from the end of the "

@@ -216,6 +216,19 @@ def page() -> str:
         "The Value column is what the code accepts, ranges included (a number may have decimals, an integer may",
         "not). A default of `unset` means no value: the feature is off, or the code decides (see the meaning).",
         "",
+        "## Routes lpcache serves",
+        "",
+        "lpcache caches every generation API llama-server serves: chat completions",
+        "(`/v1/chat/completions`, `/chat/completions`), OpenAI Responses (`/v1/responses`, `/responses`),",
+        "Anthropic Messages (`/v1/messages`), completions (`/v1/completions`, `/completions`, `/completion`) and",
+        "infill (`/infill`). The settings below apply to all of them alike, `COALESCE_REQUESTS` too (for an API",
+        "other than chat, only requests on the same path and in the same mode, JSON or stream, share a call); the",
+        "`result_cache` plugin keeps chat completions only. Words (`BIG_THRESHOLD_WORDS`, `WORDS_PER_BLOCK`) are",
+        "those of a prompt's text: message contents, a completion's `prompt` (each token id of a prompt of ids",
+        "counts as a word), an infill's texts. What forms each API's cache identity:",
+        "[operations.md](operations.md#generation-apis-and-what-is-cached); how to point clients at lpcache:",
+        "[clients.md](clients.md).",
+        "",
     ]
     for title, intro, options in grouped():
         lines += [f"## {title}", "", intro, "", *option_table(options), ""]

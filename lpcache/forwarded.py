@@ -1,11 +1,11 @@
-"""Generation routes lpcache does not cache yet (completions, `/completion`, `/infill`, Responses, Messages) and
-client slot actions: they change what slots hold, so they go through the slot pool too.
+"""Generation requests lpcache cannot key (`apis.Api.view` is None: several prompts in one completion, `n` > 1,
+`previous_response_id`) and client slot actions: they change what slots hold, so they go through the slot pool too.
 
-A generation request takes a slot like a chat request does (the coldest idle one; its cache saved first when it is
-worth keeping and not on disk) and is pinned to it with `id_slot` where the route carries the pin; afterwards that
-slot's content is unknown to lpcache (never saved, never taken for a hit). `/v1/messages` drops the pin in
-llama-server b11434, so the server picks a slot itself: the slot held for it keeps the count of busy slots right,
-and the backend's slots are checked with GET /slots before their next use (`slot_truth`).
+Such a request takes a slot like any request does (the coldest idle one; its cache saved first when it is worth
+keeping and not on disk) and is pinned to it with `id_slot` where the route carries the pin; afterwards that slot's
+content is unknown to lpcache (never saved, never taken for a hit). On a route that drops the pin (`/v1/messages`
+in llama-server b11434, should one come here) the server picks a slot itself: the slot held for it keeps the count
+of busy slots right, and the backend's slots are checked with GET /slots before their next use (`slot_truth`).
 
 `POST /slots/...` from a client (save, restore, erase) is refused with 403 unless CLIENT_SLOT_ACTIONS allows it;
 then the slot it names is marked unknown.
@@ -23,7 +23,7 @@ from starlette.types import ASGIApp
 from .attempts import Crew
 from .backends import Backend
 from .config import Settings
-from .errors import BackendUnreachable, ProxyError
+from .errors import BackendUnreachable, BadRequest, ProxyError
 from .record import RequestRecord
 from .relay import PassThrough
 from .sessions import route_name
@@ -31,10 +31,7 @@ from .slots import Slot, Want
 
 log = logging.getLogger("lpcache.forwarded")
 
-PINNED_ROUTES = frozenset({"/v1/completions", "/completions", "/completion", "/infill", "/v1/responses",
-                           "/responses"})
-UNPINNED_ROUTES = frozenset({"/v1/messages"})
-GENERATION_ROUTES = PINNED_ROUTES | UNPINNED_ROUTES
+UNPINNED_ROUTES = frozenset({"/v1/messages"})   # llama-server drops `id_slot` there
 
 
 def slot_actions_refused() -> ProxyError:
@@ -57,7 +54,7 @@ async def generate(crew: Crew, settings: Settings, path: str, path_qs: str, head
     model = model or settings.model_id
     await crew.routers.model_slots(model)
     route = route_name(model)
-    pinned = path in PINNED_ROUTES
+    pinned = path not in UNPINNED_ROUTES
     tried: set[int] = set()
     error: ProxyError | None = None
     for _ in range(len(crew.backends)):
@@ -77,7 +74,10 @@ async def generate(crew: Crew, settings: Settings, path: str, path_qs: str, head
                 await crew.saver.save_held(backend, slot, held, record)
             if pinned:
                 body["id_slot"] = slot.id
-            data = orjson.dumps(body) if pinned else raw
+            try:
+                data = orjson.dumps(body) if pinned else raw
+            except TypeError as e:   # orjson reads 1024 levels of nesting but writes only 254
+                raise BadRequest(f"request body cannot be passed on: {e}", code="invalid_body") from e
             slot.phase = "generate"
             upstream = await backend.client.forward("POST", path_qs, headers, data)
         except BackendUnreachable as e:
@@ -100,8 +100,8 @@ def _done(crew: Crew, slot: Slot, backend: Backend, pinned: bool) -> Any:
         if pinned:
             crew.pool.release(slot, None)      # it holds the answer's prompt now: unknown to lpcache
         else:
-            backend.suspect = True             # the server chose a slot itself: check them before their next use
             crew.pool.release(slot, True)
+        backend.suspect = True   # the server chose a slot itself (no pin, or n > 1): check them before their next use
         crew.notify(record)
 
     return done

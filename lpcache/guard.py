@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from .apis import BY_PATH
 from .errors import ClientGoneReading, ProxyError
 
 OPEN_PATHS = frozenset({"/health"})  # a load balancer's health check needs no key
@@ -49,9 +50,11 @@ def shown_headers(headers: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in headers.items() if k.lower() not in _SECRET_HEADERS}
 
 
-async def send_error(send: Send, err: ProxyError, extra: Sequence[tuple[bytes, bytes]] = ()) -> int:
-    """Send `err` on a raw ASGI channel (OpenAI's shape; a backend's error as it came); returns the body's size."""
-    body, content_type = err.payload()
+async def send_error(send: Send, err: ProxyError, extra: Sequence[tuple[bytes, bytes]] = (),
+                     payload: tuple[bytes, str] | None = None) -> int:
+    """Send `err` on a raw ASGI channel (OpenAI's shape, or `payload`: the API's; a backend's error as it came);
+    returns the body's size."""
+    body, content_type = payload or err.payload()
     await send({"type": "http.response.start", "status": err.status, "headers": [
         (b"content-type", content_type.encode("latin-1", "replace")),
         (b"content-length", str(len(body)).encode()), *extra]})
@@ -83,9 +86,10 @@ class ApiKeys:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self.allowed(scope):
             await self.app(scope, receive, send)
             return
-        await send_error(send, ProxyError("invalid or missing API key (Authorization: Bearer <key>)", status=401,
-                                          type="authentication_error", code="invalid_api_key"),
-                         [(b"www-authenticate", b"Bearer")])
+        err = ProxyError("invalid or missing API key (Authorization: Bearer <key>)", status=401,
+                         type="authentication_error", code="invalid_api_key")
+        api = BY_PATH.get(scope["path"])   # in the shape the route's clients read (Anthropic's on /v1/messages)
+        await send_error(send, err, [(b"www-authenticate", b"Bearer")], api.error(err) if api else None)
 
 
 async def read_body(request: Request, max_bytes: int, idle_timeout: float | None = None) -> bytes:

@@ -26,7 +26,7 @@ import orjson
 BLOCK_CHARS = 64
 # Request fields a chat template reads besides the messages (llama-server's chat parameters).
 TEMPLATE_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "reasoning_format",
-                   "add_generation_prompt", "chat_template", "continue_final_message")
+                   "reasoning_effort", "add_generation_prompt", "chat_template", "continue_final_message")
 _MESSAGE_FIELDS = ("role", "name", "content", "tool_calls", "tool_call_id")
 _SORTED = orjson.OPT_SORT_KEYS
 
@@ -78,9 +78,9 @@ def message_text(message: Any) -> str:
 
 
 def canonical_text(messages: Sequence[Any], template: Mapping[str, Any] | None = None) -> str:
-    """The request as a template sees it: the template fields, then the messages in order."""
-    fields = {k: template[k] for k in TEMPLATE_FIELDS if template and k in template}
-    return "\x1d" + _json(fields) + "".join(message_text(m) for m in messages)
+    """The request as a template sees it: the template fields (`template_fields` of a chat body; another API's
+    adapter names its own, and the API), then the messages in order."""
+    return "\x1d" + _json(dict(template or {})) + "".join(message_text(m) for m in messages)
 
 
 def chain_of(text: str) -> tuple[int, ...]:

@@ -15,6 +15,7 @@ from prometheus_client.registry import Collector
 from starlette.requests import Request
 from starlette.responses import Response
 
+from .apis import BY_PATH
 from .record import RequestRecord
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -146,7 +147,10 @@ class Metrics:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE)
 
 
+_ROUTES = frozenset({*BY_PATH, "/v1/models", "/health"})
+
+
 def _route(path: str) -> str:
-    """A bounded label: the chat routes by name, everything else as "other"."""
+    """A bounded label: the generation routes (every API's) and a few others by name, the rest as "other"."""
     path = path.split("?", 1)[0]
-    return path if path in ("/v1/chat/completions", "/chat/completions", "/v1/models", "/health") else "other"
+    return path if path in _ROUTES else "other"

@@ -1,7 +1,8 @@
-"""The way of a chat request through lpcache, one short step per method:
+"""The way of a generation request through lpcache, one short step per method:
 
-    parse (chat_request) -> prefilters -> session? -> coalesce? -> attempts: slot (slot_fill) -> restore or swap
-    (slot_fill, swap) -> send (llama) -> relay ... after the answer: save (saving) -> release -> observers
+    parse (apis: chat, responses, messages, completions, infill) -> prefilters -> session? -> coalesce? ->
+    attempts: slot (slot_fill) -> restore or swap (slot_fill, swap) -> send (llama) -> relay
+    ... after the answer: save (saving) -> release -> observers
 
 A cache miss, a failed restore or a failed save only ever costs a prefill: the request itself does not fail.
 The pipeline only orders the steps; each step's module knows how it is done.
@@ -19,17 +20,17 @@ import orjson
 from starlette.requests import Request
 from starlette.types import ASGIApp
 
-from . import swap
+from . import forwarded, prefiltering, swap
+from .apis.base import Api, Call, off_loop
 from .attempts import Attempts, Crew
 from .backends import Backend
 from .cache_files import Limits
-from .chat_request import ChatCall, off_loop
 from .coalesce import Coalescer, coalesce_key
 from .config import Settings
 from .errors import ClientGone, ProxyError
 from .guard import client_identity, read_body, shown_headers
 from .index import MetaIndex
-from .plugins.base import Answer, ChatRequest, Prefilter, Reject, Serve, answer_wanted_by
+from .plugins.base import Answer, ChatRequest, Prefilter, Serve, answer_wanted_by
 from .prefix import Prompt, raw_prefix
 from .record import Observer, RequestRecord
 from .relay import ClientWatch, FollowerRelay, JsonRelay, PassThrough, ServedRelay, SseRelay
@@ -80,35 +81,45 @@ class Pipeline:
 
     # ---- the steps ----
 
-    async def chat(self, request: Request, record: RequestRecord) -> ASGIApp:
-        """Serve one chat request; returns the ASGI app that relays the answer. Raises ProxyError for an error
-        answer, ClientGone when the client left before the answer started (its record is already told)."""
+    async def generate(self, request: Request, record: RequestRecord, api: Api) -> ASGIApp:
+        """Serve one generation request of `api`; returns the ASGI app that relays the answer. Raises ProxyError for
+        an error answer, ClientGone when the client left before the answer started (its record is already told)."""
         started = time.perf_counter()
+        record.api = api.name
         raw = await read_body(request, self.settings.max_body_bytes, self.settings.client_timeout)
-        call = await ChatCall.read(raw, self.settings)
-        body, prompt = call.body, call.prompt
-        record.model, record.stream, record.key, record.n_words, record.big = (
-            call.model, call.stream, prompt.key, prompt.n_words, call.big)
+        call = await Call.read(api, raw, request.url.path, self.settings)
+        body, prompt, chat = call.body, call.prompt, api.name == "chat"
+        record.model, record.stream = call.model, call.stream
+        # With client keys, Authorization is lpcache's own; without, it goes on to llama-server as it came.
+        passed = {k: v for k, v in request.headers.items() if not (self.settings.api_keys and k == "authorization")}
         router = await self.routers.unknown(call.model)
         if router is not None:   # no router serves that model: it says so itself, and nothing is made for it
-            return await router_says(router, request, body, record, self.notify)
+            return await router_says(router, request.url.path, passed, body, record, self.notify)
         # Who asks: answers are shared (coalescing, the result cache) only within one client and one session.
         client = client_identity(request.headers.get("authorization"), bool(self.settings.api_keys))
         session = request.headers.get("x-session-id")
         view, listeners = None, []
         if self.prefilters:
-            view = ChatRequest(body=dict(body), key=prompt.key, model=call.model, stream=call.stream,
-                               text=raw_prefix(body["messages"]), headers=shown_headers(request.headers),
-                               client_key=client, session=session)
+            view = ChatRequest(body=dict(body) if chat else {**body, "messages": call.shown},
+                               key=prompt.key if prompt else "", model=call.model, stream=call.stream,
+                               text=raw_prefix(call.shown), headers=shown_headers(request.headers),
+                               client_key=client, session=session, api=api.name)
             served = await self.prefilter(view, record)
             if served is not None:
                 return ServedRelay(served, record, self.notify, self.spawn, view)
-            listeners = answer_wanted_by(self.prefilters, view)
-        want = await self.session_cache(request, prompt, body["messages"], record, len(raw))
+            listeners = answer_wanted_by(self.prefilters, view) if chat and prompt else []
+        if prompt is None:       # a body the cache cannot key (several prompts...): a slot of the pool, uncached
+            relay = await forwarded.generate(self.crew, self.settings, request.url.path, _path_qs(request),
+                                             passed, raw, record)
+            assert relay is not None
+            return relay
+        record.key, record.n_words, record.big = prompt.key, prompt.n_words, call.big
+        want = await self.session_cache(request, prompt, call.messages, record, len(raw))
         if call.big:
-            body["cache_prompt"] = True
+            call.send["cache_prompt"] = True
 
-        coalesce_as = (await off_loop(len(raw), coalesce_key, body, client, session)
+        coalesce_as = (await off_loop(len(raw), coalesce_key, body, client, session,
+                                      None if chat else f"{call.path} stream={call.stream}")
                        if self.settings.coalesce_requests else None)
 
         # From here on a client that leaves cancels the work: waiting for a slot, restoring, or generating.
@@ -123,10 +134,9 @@ class Pipeline:
             self.coalescer.lead(group, watch)
         # With client keys, Authorization is lpcache's own; without, it goes on to llama-server as it came.
         client_auth = None if self.settings.api_keys else request.headers.get("authorization")
-        attempts = Attempts(self.crew, body, prompt, call.big, record, client_auth,
+        attempts = Attempts(self.crew, call.send, prompt, call.big, record, client_auth,
                             view if listeners else None, want)
-        attempts.listeners = listeners
-        attempts.group = group
+        attempts.listeners, attempts.group, attempts.path = listeners, group, call.upstream_path()
         try:
             await attempts.start()
         except asyncio.CancelledError:
@@ -141,15 +151,16 @@ class Pipeline:
             raise ClientGone() from None
         except ProxyError as e:
             watch.stop()
-            attempts.end_group(e.body())
+            attempts.end_group(orjson.loads(api.error(e)[0]), e.status)   # the followers get what the leader gets
             raise
         except BaseException:
             watch.stop()
             attempts.end_group({"error": {"message": "internal error", "type": "server_error", "code": 500}})
             raise
         if call.stream:
-            return SseRelay(attempts, record, watch, self.settings.stream_queue_size, started)
-        return JsonRelay(attempts, record, watch)
+            return SseRelay(attempts, record, watch, self.settings.stream_queue_size, started, api,
+                            api.converter(body))
+        return JsonRelay(attempts, record, watch, api, body)
 
     async def session_cache(self, request: Request, prompt: Prompt, messages: list[Any], record: RequestRecord,
                             size: int) -> Content | None:
@@ -168,35 +179,18 @@ class Pipeline:
         name = session_filename(route, sid, fingerprint, owner)
         record.session = sid
         read = await off_loop(size, self.sessions.read, name, messages)
-        info = self.sessions.seen(name, sid, route, messages, time.time(), owner, read)
+        info = self.sessions.seen(name, sid, route, messages, time.time(), owner, read, record.api or "chat")
         if info.comparison is not None:
             log.info("session_prompt file=%s %s", name, info.comparison.log_line())
         return Content(name, prompt.exact, keep=True, session=sid, model=prompt.model, fingerprint=fingerprint)
 
     async def prefilter(self, view: ChatRequest, record: RequestRecord) -> Serve | None:
-        """Run the prefilters in order: the first that rejects or serves decides. A prefilter that fails is
-        logged and skipped (it did not reject on purpose)."""
-        for plugin in self.prefilters:
-            try:
-                verdict = await plugin.check(view)
-            except Exception:
-                log.exception("prefilter_failed plugin=%s: the request goes on", plugin.name)
-                continue
-            if isinstance(verdict, Reject):
-                record.reason, record.prefilter = "prefilter_reject", f"{plugin.name}:reject"
-                log.info("prefilter_reject plugin=%s key=%s", plugin.name, view.key[:16])
-                raise ProxyError(verdict.message, status=verdict.status, type=verdict.type, code=verdict.code)
-            if isinstance(verdict, Serve):
-                record.prefilter = f"{plugin.name}:serve"
-                log.info("prefilter_serve plugin=%s key=%s", plugin.name, view.key[:16])
-                return verdict
-        return None
+        return await prefiltering.run(self.prefilters, view, record)
 
     def answered(self, view: ChatRequest, answer: Answer, listeners: Sequence[Prefilter]) -> None:
-        """Tell the prefilters that want it what the backend answered (a result cache stores it), off the
-        request's path."""
+        """Tell the prefilters that want it what the backend answered, off the request's path."""
         for plugin in listeners:
-            self.spawn(_quietly(plugin.answered(view, answer), plugin.name))
+            self.spawn(prefiltering.quietly(plugin.answered(view, answer), plugin.name))
 
     def owner(self, request: Request) -> str | None:
         """Whose sessions a request may use and see: its client key's digest; None without client keys."""
@@ -233,15 +227,13 @@ class Pipeline:
         await self.saver.save_all(timeout)
 
 
-async def router_says(router: Backend, request: Request, body: dict[str, Any], record: RequestRecord,
-                      notify: Callable[[RequestRecord], None]) -> ASGIApp:
-    headers = {k: v for k, v in request.headers.items() if k.lower() != "content-length"}
-    upstream = await router.client.forward("POST", request.url.path, headers, orjson.dumps(body))
+def _path_qs(request: Request) -> str:
+    query = request.url.query
+    return request.url.path + (f"?{query}" if query else "")
+
+
+async def router_says(router: Backend, path: str, headers: dict[str, str], body: dict[str, Any],
+                      record: RequestRecord, notify: Callable[[RequestRecord], None]) -> ASGIApp:
+    headers = {k: v for k, v in headers.items() if k.lower() != "content-length"}
+    upstream = await router.client.forward("POST", path, headers, orjson.dumps(body))
     return PassThrough(upstream, record, notify)
-
-
-async def _quietly(coro: Coroutine[Any, Any, None], name: str) -> None:
-    try:
-        await coro
-    except Exception:
-        log.exception("plugin_failed plugin=%s hook=answered", name)

@@ -110,6 +110,9 @@ def tool_text(messages: Sequence[Any], template: Mapping[str, Any] | None = None
     definitions. It counts towards a request's words (an agent's prompt is mostly there), not its blocks."""
     parts = []
     for m in messages:
+        if isinstance(m, dict) and m.get("type") in ("function_call", "function_call_output"):
+            parts += [str(m.get(k)) for k in ("name", "arguments", "output") if isinstance(m.get(k), str)]
+            continue   # a Responses input item: a tool call or its result
         calls = m.get("tool_calls") if isinstance(m, dict) else None
         if isinstance(calls, list):
             for call in calls:
@@ -137,9 +140,10 @@ class Prompt:
 
     @classmethod
     def of(cls, model: str, messages: Sequence[Any], words_per_block: int,
-           template: Mapping[str, Any] | None = None) -> Prompt:
-        """`template`: the request's fields that shape its rendered prompt (`identity.template_fields`)."""
-        raw = raw_prefix(messages)
+           template: Mapping[str, Any] | None = None, text: str | None = None) -> Prompt:
+        """`template`: the request's fields that shape its rendered prompt (`identity.template_fields`); `text`:
+        the words' text when it is not the messages' contents (a prompt of token ids)."""
+        raw = raw_prefix(messages) if text is None else text
         word_list = words(raw)
         extra = tool_text(messages, template)
         n_words = len(word_list) + (len(words(extra)) if extra else 0)

@@ -25,6 +25,7 @@ class RequestRecord:
     elapsed_ms: float | None = None
     status: int | None = None
     bytes_out: int = 0
+    api: str | None = None             # chat, responses, messages, completions, infill (lpcache.apis); None: other
     model: str | None = None
     stream: bool | None = None
     key: str | None = None
@@ -68,14 +69,22 @@ class RequestRecord:
     swap_save_bytes: int | None = None
 
     def take_usage(self, doc: dict[str, Any]) -> None:
-        """Copy the backend's `usage` and `timings` from a completion (or the last SSE chunk)."""
-        usage = doc.get("usage")
+        """Copy the backend's `usage` and `timings` from a completion (or the last SSE chunk). A Responses answer
+        has its usage under `response` in a stream, and names it `input_tokens` (cached ones included); its JSON
+        has no `timings`: the cached and computed parts come from the usage then."""
+        response = doc.get("response")
+        usage = response.get("usage") if isinstance(response, dict) else doc.get("usage")
         if isinstance(usage, dict):
-            self.prompt_tokens = _int(usage.get("prompt_tokens"), self.prompt_tokens)
-            self.completion_tokens = _int(usage.get("completion_tokens"), self.completion_tokens)
-            details = usage.get("prompt_tokens_details")
+            self.prompt_tokens = _int(usage.get("prompt_tokens", usage.get("input_tokens")), self.prompt_tokens)
+            self.completion_tokens = _int(usage.get("completion_tokens", usage.get("output_tokens")),
+                                          self.completion_tokens)
+            details = usage.get("prompt_tokens_details", usage.get("input_tokens_details"))
             if isinstance(details, dict):
                 self.cached_tokens = _int(details.get("cached_tokens"), self.cached_tokens)
+            if not isinstance(doc.get("timings"), dict) and self.cached_tokens is not None:
+                self.cache_n = self.cached_tokens
+                if self.prompt_tokens is not None:
+                    self.prompt_n = self.prompt_tokens - self.cached_tokens
         timings = doc.get("timings")
         if isinstance(timings, dict):
             self.cache_n = _int(timings.get("cache_n"), self.cache_n)

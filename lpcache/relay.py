@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import orjson
 from starlette.types import Message, Receive, Scope, Send
 
+from .apis.base import Api, Converter
 from .coalesce import Group
 from .errors import BackendUnreachable, ProxyError
 from .guard import send_error
@@ -108,10 +109,13 @@ class Source(Protocol):
 class JsonRelay:
     """Reads a JSON completion, then sends it unchanged. A 200 whose body is not a JSON object becomes a 502."""
 
-    def __init__(self, source: Source, record: RequestRecord, watch: ClientWatch) -> None:
+    def __init__(self, source: Source, record: RequestRecord, watch: ClientWatch, api: Api | None = None,
+                 body: dict[str, Any] | None = None) -> None:
         self.source = source
         self.record = record
         self.watch = watch
+        self.api = api    # turns the answer to `body` into the client's API (Messages), shapes lpcache's errors
+        self.body = body or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         delivered = complete = False
@@ -134,12 +138,13 @@ class JsonRelay:
                 doc = None
             if isinstance(doc, dict):
                 self.record.take_usage(doc)
-                self.source.tee(raw)
+                body = self._converted(raw)
+                self.source.tee(body)
             else:
                 err = ProxyError("backend answered a body that is not a JSON object", status=502,
                                  type="backend_error", code="provider_non_object")
                 self.record.reason = "provider_non_object"
-                status, body = err.status, error_body(err)
+                status, body = err.status, self.api.error(err)[0] if self.api else error_body(err)
             self.record.status = status
             self.record.bytes_out = len(body)
             await send({"type": "http.response.start", "status": status,
@@ -154,7 +159,7 @@ class JsonRelay:
             self.record.reason = "client_disconnected"
         except ProxyError as e:
             self.record.reason = self.record.reason or "backend_unreachable"
-            await _send_error(send, e, self.record)
+            await _send_error(send, e, self.record, self.api)
         finally:
             watch.stop()
             # An answer read whole leaves a reusable connection; otherwise close it, which also tells
@@ -164,13 +169,26 @@ class JsonRelay:
             self.source.finish(delivered, complete)
 
 
+    def _converted(self, raw: bytes) -> bytes:
+        """The answer in the client's API; a 200 that cannot be converted is the backend's fault (502)."""
+        if self.api is None:
+            return raw
+        try:
+            return self.api.answer(raw, self.body)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+            raise ProxyError(f"backend answer cannot be converted: {type(e).__name__}: {e}", status=502,
+                             type="backend_error", code="provider_bad_answer") from None
+
+
 class SseRelay:
     """Streams SSE chunks exactly as the backend sent them, noting the time to the first chunk and the `usage` and
     `timings` of the last events on the way. The response starts with the first chunk, so an answer that breaks
     before it can still be tried elsewhere."""
 
     def __init__(self, source: Source, record: RequestRecord, watch: ClientWatch, queue_size: int,
-                 started: float) -> None:
+                 started: float, api: Api | None = None, convert: Converter | None = None) -> None:
+        self.api = api           # shapes lpcache's errors
+        self.convert = convert   # turns the upstream's events into the client's API's (Messages)
         self.source = source
         self.record = record
         self.watch = watch
@@ -238,14 +256,24 @@ class SseRelay:
             started = True
             self.source.streaming()
             self.record.status = 200
-            item = await self._pump(send, queue, item)
+            try:
+                item = await self._pump(send, queue, item)
+            except _Unconvertible as e:
+                # the client's stream ends with an error event, as llama-server ends a stream that failed
+                log.warning("stream_unconvertible backend=%s: %s", self.record.backend, e)
+                self.record.reason = "provider_bad_answer"
+                event = b"event: error\ndata: " + orjson.dumps({"code": 502, "message": str(e),
+                                                                "type": "backend_error"}) + b"\n\n"
+                self.record.bytes_out += len(event)
+                await send({"type": "http.response.body", "body": event, "more_body": False})
+                return
             if isinstance(item, BaseException) and self._done:
                 # The connection broke after the stream's last event: the answer is whole (nothing may follow
                 # [DONE]), the connection is not reusable.
                 log.info("stream_broke_after_done backend=%s: %s", self.record.backend, item)
                 upstream.close()
                 self.source.generated()
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                await send({"type": "http.response.body", "body": self._last(), "more_body": False})
                 complete = True
                 delivered = not _left(watch, self.record)
                 return
@@ -255,10 +283,12 @@ class SseRelay:
                 event = b"data: " + orjson.dumps({"error": {
                     "message": f"backend stream broke: {item}",
                     "type": "backend_unreachable", "code": 502}}) + b"\n\n"
+                if self.convert is not None:
+                    event = self.convert.feed(event) + self.convert.close()
                 self.record.bytes_out += len(event)
                 await send({"type": "http.response.body", "body": event, "more_body": False})
                 return
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await send({"type": "http.response.body", "body": self._last(), "more_body": False})
             complete = True
             delivered = not _left(watch, self.record)
         except asyncio.CancelledError:
@@ -267,7 +297,7 @@ class SseRelay:
             self.record.reason = "client_disconnected"
         except ProxyError as e:   # every try failed before a byte went out
             self.record.reason = self.record.reason or "backend_unreachable"
-            await _send_error(send, e, self.record)
+            await _send_error(send, e, self.record, self.api)
         finally:
             watch.stop()
             if reader is not None:
@@ -296,9 +326,31 @@ class SseRelay:
 
     async def _pass(self, send: Send, data: bytes) -> None:
         self._done = data.endswith((b"data: [DONE]\n\n", b"data: [DONE]\r\n\r\n"))
+        if self.convert is not None:
+            try:
+                data = self.convert.feed(data)
+            except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+                raise _Unconvertible(f"backend stream cannot be converted: {type(e).__name__}: {e}") from e
+            if not data:
+                return
         self.source.tee(data)
         self.record.bytes_out += len(data)
         await send({"type": "http.response.body", "body": data, "more_body": True})
+
+
+    def _last(self) -> bytes:
+        """What the converter still holds at the stream's end (nothing without one)."""
+        if self.convert is None:
+            return b""
+        data = self.convert.close()
+        if data:
+            self.source.tee(data)
+            self.record.bytes_out += len(data)
+        return data
+
+
+class _Unconvertible(Exception):
+    """The upstream's stream could not be turned into the client's API's."""
 
 
 def _whole_events(data: bytes) -> int:
@@ -375,10 +427,10 @@ def _left(watch: ClientWatch, record: RequestRecord) -> bool:
     return watch.gone
 
 
-async def _send_error(send: Send, err: ProxyError, record: RequestRecord) -> None:
+async def _send_error(send: Send, err: ProxyError, record: RequestRecord, api: Api | None = None) -> None:
     record.status = err.status
     with contextlib.suppress(Exception):   # the client may be gone: the record still says what it was sent
-        record.bytes_out = await send_error(send, err)
+        record.bytes_out = await send_error(send, err, payload=api.error(err) if api is not None else None)
 
 
 class PassThrough:

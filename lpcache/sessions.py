@@ -235,6 +235,7 @@ class SessionInfo:
     summary: Summary | None = None   # its last prompt, to say where the next one differs
     comparison: Comparison | None = None
     owner: str | None = None         # digest of the client key that made it (None without client keys)
+    apis: dict[str, int] = field(default_factory=dict)  # its requests by API (chat, responses, messages...)
 
     def saved(self, backend: int, file_bytes: int | None, chain: tuple[int, ...]) -> None:
         """Its file was just written by `backend` and holds the prompt of `chain`."""
@@ -245,7 +246,7 @@ class SessionInfo:
     def as_dict(self) -> dict[str, Any]:
         return {"session": self.session, "route": self.route, "file": self.file, "last_use": self.last_use,
                 "requests": self.requests, "cache_hits": self.cache_hits, "restores": self.restores,
-                "saves": self.saves, "file_bytes": self.file_bytes}
+                "saves": self.saves, "file_bytes": self.file_bytes, "apis": dict(self.apis)}
 
 
 class SessionBook:
@@ -264,13 +265,14 @@ class SessionBook:
 
     def read(self, file: str, messages: Sequence[Any]) -> tuple[Summary, Comparison | None]:
         """The work `seen` does in proportion to the prompt: its summary, and its comparison with the session's
-        previous one. Changes nothing, so a big prompt's may run in a worker thread (`chat_request.off_loop`)."""
+        previous one. Changes nothing, so a big prompt's may run in a worker thread (`apis.base.off_loop`)."""
         info = self._by_file.get(file)
         previous = info.summary if info is not None else None
         return Summary.of(messages), None if previous is None else compare(previous, messages)
 
     def seen(self, file: str, session: str, route: str, messages: Sequence[Any], now: float,
-             owner: str | None = None, read: tuple[Summary, Comparison | None] | None = None) -> SessionInfo:
+             owner: str | None = None, read: tuple[Summary, Comparison | None] | None = None,
+             api: str = "chat") -> SessionInfo:
         """A request of the session arrived: count it, and compare its prompt with the previous one (`read`: that
         work done already). `owner`: the client key's digest (it names the file too, so one file never has two
         owners)."""
@@ -281,6 +283,7 @@ class SessionBook:
             info.comparison = comparison
             self.bytes -= info.summary.nbytes
         info.requests += 1
+        info.apis[api] = info.apis.get(api, 0) + 1
         info.last_use = now
         info.summary = summary
         self.bytes += info.summary.nbytes

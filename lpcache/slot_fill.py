@@ -329,7 +329,9 @@ class SlotFiller:
         if record.cache_n is None:
             return
         if record.restored and record.restore_expected:
-            if record.restore_exact:
+            # An infill prompt's layout is the model's (FIM tokens; suffix first in SPM mode; long parts cut): one
+            # that fell short says nothing about the model, its file is dropped like a foreign one.
+            if record.restore_exact and record.api != "infill":
                 record.restore_reused = self.reuse.judge(
                     backend.index, RouterModels.served(backend, prompt.model),
                     choice.restore.entry.key if choice.restore is not None else (record.session or ""),
@@ -337,6 +339,8 @@ class SlotFiller:
             elif record.cache_n < REUSE_SHORT * record.restore_expected and choice.restore is not None:
                 record.restore_reused = False
                 self.saver.spawn(self.index.drop(choice.restore.entry.key, "foreign_not_reused"))
+            else:
+                record.restore_reused = record.cache_n >= REUSE_SHORT * record.restore_expected
             return
         speeds = self.speeds.of(backend.index, RouterModels.served(backend, prompt.model))
         if not record.restored and not backend.ram_cache and record.cache_n >= REUSE_MIN_TOKENS + speeds.tokens_of(

@@ -105,6 +105,21 @@ def gemma_path() -> str:
     return script_paths(GET_LLAMA, "GEMMA3_GGUF")[0]
 
 
+def fim_model_path() -> str:
+    """SmolLM2 with fill-in-the-middle tokens named (three of its unused control tokens), so that llama-server serves
+    /infill with it: its answers mean nothing, its cache behaves as any model's. Made once with the `gguf` package
+    next to the SmolLM2 file (about 15 s). Run it with `LlamaServer(..., extra=["-m", fim_model_path()])`."""
+    source = llama_paths()[1]
+    target = os.path.join(os.path.dirname(source), "SmolLM2-135M-fim.gguf")
+    if not os.path.exists(target):
+        partial = f"{target}.{os.getpid()}.part"
+        subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_new_metadata", "--force",
+                        "--special-token-by-id", "fim_pre", "7", "--special-token-by-id", "fim_suf", "8",
+                        "--special-token-by-id", "fim_mid", "9", source, partial], check=True, capture_output=True)
+        os.replace(partial, target)
+    return target
+
+
 class _Process:
     """A child process with its log in a file, stopped with SIGTERM (then SIGKILL)."""
 

@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--api-key", default=None, help="require this key (comma-separated list allowed)")
     parser.add_argument("--swa", action="store_true",
                         help="act as a sliding-window model without --swa-full: restored slots are not reused")
+    parser.add_argument("--fim", action=argparse.BooleanOptionalAction, default=True,
+                        help="the model has fill-in-the-middle tokens; --no-fim answers /infill with 501 (default on)")
     parser.add_argument("--faults", default=None, help='faults armed at start, as JSON: {"drop": 1, ...}')
     parser.add_argument("--router", action="store_true",
                         help="router mode, as llama-server without -m: requests name one of --models")
@@ -65,6 +67,7 @@ def config_from(args: argparse.Namespace) -> MockConfig:
         max_tokens_default=args.max_tokens_default,
         api_key=args.api_key,
         swa=args.swa,
+        fim=args.fim,
         faults=faults,
         router=args.router,
         models=tuple(name.strip() for name in args.models.split(",") if name.strip()),

@@ -34,6 +34,9 @@ class MockConfig:
     # Imitate a sliding-window model without --swa-full: a restored slot is never reused (the server re-computes
     # the whole prompt), as llama-server b11434 does when no context checkpoint survives the restore.
     swa: bool = False
+    # The model has fill-in-the-middle tokens (POST /infill works); False answers /infill with the 501 of a model
+    # without them, as llama-server b11434 does with SmolLM2.
+    fim: bool = True
     faults: dict[str, Any] = field(default_factory=dict)
     router: bool = False
     models: tuple[str, ...] = ()

@@ -7,7 +7,6 @@ import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
-import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -16,7 +15,7 @@ from .api import ApiError, body_int, read_json, state_of
 from .engine import Generation, TaskParams
 from .errors import json_response
 from .faults import cut_connection, wait_disconnect
-from .shapes import ChatShape, NativeShape, Shape, TextCompletionShape, piece_text
+from .shapes import ChatShape, NativeShape, Shape, TextCompletionShape
 from .slots import wrap_slot_id
 from .state import MockState
 from .tokens import render_chat, tokenize
@@ -78,25 +77,6 @@ def include_usage(body: dict[str, Any]) -> bool:
     return isinstance(options, dict) and options.get("include_usage") is True
 
 
-def sse(event: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(event) + b"\n\n"
-
-
-async def sse_events(gen: Generation, shape: Shape) -> AsyncGenerator[bytes, None]:
-    """The stream, one event per yield so each one leaves as soon as it exists."""
-    await gen.prefill()
-    for event in shape.head(gen):
-        yield sse(event)
-    index = 0
-    async for piece in gen.tokens():
-        yield sse(shape.delta(gen, piece_text(index, piece)))
-        index += 1
-    for event in shape.tail(gen):
-        yield sse(event)
-    if shape.done_marker:
-        yield b"data: [DONE]\n\n"
-
-
 async def cut_after(events: AsyncGenerator[bytes, None], limit: int, scope: Scope) -> AsyncGenerator[bytes, None]:
     """Pass ``limit`` events on, then drop the connection (the stream-break fault)."""
     sent = 0
@@ -132,7 +112,7 @@ async def run_task(request: Request, params: TaskParams, shape: Shape, stream: b
             gone.cancel()
             gen.release()
         return json_response(shape.body(gen))
-    events = sse_events(gen, shape)
+    events = shape.events(gen)
     cut = state.faults.take_stream_break()
     if cut is not None:
         events = cut_after(events, cut, request.scope)
@@ -143,23 +123,42 @@ async def chat_completions(request: Request) -> Response:
     state = state_of(request)
     body = await read_json(request)
     params = task_params(state, body, tokenize(render_messages(body)))
-    shape = ChatShape(state.config.model, include_usage(body))
+    shape = ChatShape(state.config.model, include_usage(body), body.get("timings_per_token") is True)
     return await run_task(request, params, shape, body.get("stream") is True)
 
 
 def completion_prompt(state: MockState, body: dict[str, Any]) -> list[str]:
-    """A completion prompt: a string, or a list of token ids from /tokenize."""
+    """A completion prompt as llama-server reads one: a string; an array holding token ids, maybe mixed with
+    strings (one prompt, the strings tokenized in place); or an array of one such prompt. Several prompts in one
+    request (the real server answers each) are not imitated."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+    if isinstance(prompt, list) and len(prompt) == 1 and not any(is_token_id(p) for p in prompt):
         prompt = prompt[0]
-    if isinstance(prompt, str):
-        return tokenize(prompt)
-    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        pieces = [state.vocab.piece(t) for t in prompt]
-        if any(p is None for p in pieces):
-            raise ApiError(400, "invalid token in prompt")
-        return [p for p in pieces if p is not None]
-    raise ApiError(400, "'prompt' must be a string or an array of token ids")
+    if isinstance(prompt, list) and not prompt:
+        prompt = None
+    return mixed_tokens(state, prompt, "prompt")
+
+
+def mixed_tokens(state: MockState, value: Any, name: str) -> list[str]:
+    """The tokens of a string, or of an array of token ids and strings (`tokenize_mixed`)."""
+    if isinstance(value, str):
+        return tokenize(value)
+    if isinstance(value, list) and all(is_token_id(p) or isinstance(p, str) for p in value):
+        out: list[str] = []
+        for part in value:
+            if isinstance(part, str):
+                out += tokenize(part)
+                continue
+            piece = state.vocab.piece(part)
+            if piece is None:
+                raise ApiError(400, f"invalid token in {name}")
+            out.append(piece)
+        return out
+    raise ApiError(400, f"'{name}' must be a string, an array of token ids (and strings), or an array of one of those")
+
+
+def is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 async def native_completion(request: Request) -> Response:
@@ -206,4 +205,5 @@ async def apply_template(request: Request) -> Response:
 
 
 async def input_tokens(request: Request) -> Response:
-    return json_response({"input_tokens": len(tokenize(render_messages(await read_json(request))))})
+    count = len(tokenize(render_messages(await read_json(request))))
+    return json_response({"input_tokens": count, "object": "response.input_tokens"})

@@ -15,7 +15,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from . import hooks, inference, info, slot_api
+from . import agent_routes, hooks, inference, info, slot_api
 from .api import ApiError
 from .config import MockConfig
 from .errors import error_response
@@ -100,11 +100,18 @@ def routes(router: bool) -> list[Route]:
         Route("/completion", by_body(inference.native_completion), methods=post),
         Route("/completions", by_body(inference.native_completion), methods=post),
         Route("/v1/completions", by_body(inference.v1_completions), methods=post),
+        Route("/v1/responses", by_body(agent_routes.responses), methods=post),
+        Route("/responses", by_body(agent_routes.responses), methods=post),
+        Route("/v1/messages", by_body(agent_routes.anthropic_messages), methods=post),
+        Route("/infill", by_body(agent_routes.infill), methods=post),
         Route("/tokenize", by_body(inference.tokenize_route), methods=post),
         Route("/detokenize", by_body(inference.detokenize_route), methods=post),
         Route("/apply-template", by_body(inference.apply_template), methods=post),
         Route("/v1/chat/completions/input_tokens", by_body(inference.input_tokens), methods=post),
         Route("/chat/completions/input_tokens", by_body(inference.input_tokens), methods=post),
+        Route("/v1/responses/input_tokens", by_body(agent_routes.responses_input_tokens), methods=post),
+        Route("/responses/input_tokens", by_body(agent_routes.responses_input_tokens), methods=post),
+        Route("/v1/messages/count_tokens", by_body(agent_routes.anthropic_count_tokens), methods=post),
         Route("/slots", by_query(slot_api.get_slots)),
         Route("/slots/{id_slot}", by_body(slot_api.slot_action, slot_action=True), methods=post),
         *(extra if router else []),

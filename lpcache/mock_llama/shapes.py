@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import AsyncGenerator
 from typing import Any
+
+import orjson
 
 from .engine import Generation
 
@@ -25,6 +28,10 @@ def piece_text(index: int, piece: str) -> str:
     return piece if index == 0 else " " + piece
 
 
+def sse(event: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(event) + b"\n\n"
+
+
 class Shape:
     done_marker = True  # OpenAI streams end with ``data: [DONE]``
 
@@ -32,6 +39,20 @@ class Shape:
         self.model = model
         self.include_usage = include_usage
         self.created = int(time.time())
+
+    async def events(self, gen: Generation) -> AsyncGenerator[bytes, None]:
+        """The stream, one event per yield so each one leaves as soon as it exists."""
+        await gen.prefill()
+        for event in self.head(gen):
+            yield sse(event)
+        index = 0
+        async for piece in gen.tokens():
+            yield sse(self.delta(gen, piece_text(index, piece)))
+            index += 1
+        for event in self.tail(gen):
+            yield sse(event)
+        if self.done_marker:
+            yield b"data: [DONE]\n\n"
 
     def body(self, gen: Generation) -> dict[str, Any]:
         raise NotImplementedError
@@ -58,9 +79,13 @@ class Shape:
 
 
 class ChatShape(Shape):
-    def __init__(self, model: str, include_usage: bool = False) -> None:
+    """`per_token`: the request's `timings_per_token` (each token's chunk carries the timings so far, as the last
+    chunk of each partial result does on llama-server)."""
+
+    def __init__(self, model: str, include_usage: bool = False, per_token: bool = False) -> None:
         super().__init__(model, include_usage)
         self.id = "chatcmpl-" + secrets.token_urlsafe(24)
+        self.per_token = per_token
 
     def body(self, gen: Generation) -> dict[str, Any]:
         message = {"role": "assistant", "content": answer_text(gen.generated)}
@@ -75,7 +100,8 @@ class ChatShape(Shape):
         return [self._chunk([self._choice({"role": "assistant", "content": None})])]
 
     def delta(self, gen: Generation, text: str) -> dict[str, Any]:
-        return self._chunk([self._choice({"content": text})])
+        chunk = self._chunk([self._choice({"content": text})])
+        return chunk | {"timings": gen.timings()} if self.per_token else chunk
 
     def tail(self, gen: Generation) -> list[dict[str, Any]]:
         return self._openai_tail(gen, self._chunk([self._choice({}, FINISH_REASON)]))

@@ -125,6 +125,7 @@ def render_chat(messages: Sequence[dict[str, Any]], tools: Sequence[Any] | None 
     - `name`: in the turn's header, `<|im_start|>user name=alice\n` (a tool message's in its `<tool_response>` tag).
       Many templates drop it; rendering it is the conservative choice for a proxy's tests.
     - image parts: `image_marker(url)` where the part is, as if the model were multimodal.
+    - the `developer` role: rendered as `system`, as llama-server maps it for every template but GPT-OSS's.
     """
     out = []
     if tools:
@@ -132,6 +133,7 @@ def render_chat(messages: Sequence[dict[str, Any]], tools: Sequence[Any] | None 
         out.append("\n</tools><|im_end|>\n")
     for i, m in enumerate(messages):
         role, text = m["role"], content_text(m.get("content"))
+        role = "system" if role == "developer" else role
         if role == "tool":
             if i == 0 or messages[i - 1]["role"] != "tool":
                 out.append("<|im_start|>user")

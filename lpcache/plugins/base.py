@@ -42,6 +42,9 @@ class ChatRequest:
     # the Authorization header that goes on to llama-server; None without one.
     client_key: str | None = None
     session: str | None = None         # the X-Session-ID header, as sent
+    # The API it came by: chat, responses, messages, completions or infill (`lpcache.apis`). For the others, `body`
+    # has their prompt as chat `messages` too, so a plugin that reads messages reads theirs.
+    api: str = "chat"
 
 
 @dataclass(frozen=True)

@@ -369,7 +369,8 @@ def _recent_entry(record: Any, started: float) -> dict[str, Any]:
     cached = _int(g("cached_tokens"))
     cached = cached if cached is not None else _int(g("cache_n"))
     return {
-        "time": started, "method": g("method"), "path": g("path"), "status": g("status"), "model": g("model"),
+        "time": started, "method": g("method"), "path": g("path"), "api": g("api"), "status": g("status"),
+        "model": g("model"),
         "stream": g("stream"), "backend": g("backend"), "slot": g("slot"), "restored": g("restored"),
         "cache_hit": g("cache_hit"), "coalesced": g("coalesced"), "saved": g("saved"), "reason": g("reason"),
         "prompt_tokens": _int(g("prompt_tokens")), "cached_tokens": cached,

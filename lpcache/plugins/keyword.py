@@ -27,19 +27,29 @@ def _keywords(value: Any, plugin: str) -> list[str]:
 
 
 def message_texts(body: Mapping[str, Any]) -> Iterator[str]:
-    """Every text of the request's messages, all roles: string contents and the text parts of content arrays."""
+    """Every text of the request's messages, all roles: string contents, the text parts of content arrays (chat
+    `text`, Responses `input_text` / `output_text`, Anthropic `text`), tool calls' arguments and tool results
+    (Responses `function_call` / `function_call_output` items)."""
     messages = body.get("messages")
     if not isinstance(messages, list):
         return
     for message in messages:
         if not isinstance(message, dict):
             continue
+        for field in ("arguments", "output"):
+            if isinstance(message.get(field), str):
+                yield message[field]
+        calls = message.get("tool_calls")
+        for call in calls if isinstance(calls, list) else ():
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                yield function["arguments"]
         content = message.get("content")
         if isinstance(content, str):
             yield content
         elif isinstance(content, list):
             for part in content:
-                if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
                     yield part["text"]
 
 

@@ -159,12 +159,14 @@ class ResultCachePrefilter(Prefilter):
         return removed
 
     def wants_answer(self, request: ChatRequest) -> bool:
-        return self.cache_streaming or not request.stream
+        return request.api == "chat" and (self.cache_streaming or not request.stream)
 
     def entry_path(self, request: ChatRequest) -> str:
         return os.path.join(self.dir, entry_key(request) + ".json")
 
     async def check(self, request: ChatRequest) -> Verdict:
+        if request.api != "chat":   # it keeps chat completions only
+            return None
         if self.cache_control and no_cache(request.headers):
             return None
         if request.stream and not self.cache_streaming:

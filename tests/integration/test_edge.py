@@ -16,7 +16,8 @@ import orjson
 import pytest
 
 from lpcache import chats
-from lpcache.chat_request import OFF_LOOP_BYTES, ChatCall
+from lpcache.apis import BY_PATH
+from lpcache.apis.base import OFF_LOOP_BYTES
 from lpcache.edge import MAX_HEAD_BYTES, MAX_HEADERS
 
 from ..conftest import figures, user, words
@@ -72,7 +73,7 @@ def test_a_big_body_does_not_stall_a_concurrent_stream(start_backend: Any, start
     proxy = start_proxy(backend, plugins=({"name": "keyword", "params": {"keywords": ["forbidden-word-xyz"]}},))
     raw = big_body(8 * 1024 * 1024)
     t = time.perf_counter()
-    ChatCall.parse(raw, proxy.settings)
+    BY_PATH["/v1/chat/completions"].parse(raw, "/v1/chat/completions", proxy.settings)
     parse_s = time.perf_counter() - t
     assert len(raw) > OFF_LOOP_BYTES
 

@@ -571,7 +571,7 @@ async def test_routes_render_tools_tool_calls_and_images_alike(client: httpx.Asy
     assert all(marker in prompt for marker in ("<tools>", "<tool_call>", "<tool_response>", "<__image_", " name="))
     assert (await client.post("/apply-template", json=body)).json() == {"prompt": prompt}
     counted = (await client.post("/v1/chat/completions/input_tokens", json=body)).json()
-    assert counted == {"input_tokens": len(tokenize(prompt))}
+    assert counted == {"input_tokens": len(tokenize(prompt)), "object": "response.input_tokens"}
     answer = (await client.post(CHAT, json=body | {"max_tokens": 2})).json()
     assert answer["usage"]["prompt_tokens"] == len(tokenize(prompt))
     assert (await client.post(CHAT, json=body | {"tools": {"get_time": {}}})).status_code == 400

@@ -364,7 +364,7 @@ def test_a_big_session_prompt_is_summarized_and_compared_off_the_event_loop(star
                                                                            monkeypatch: Any) -> None:
     """The session book's work grows with the prompt (a 16 MiB one: about 0.15 s): above OFF_LOOP_BYTES it runs
     in a worker thread, like parsing and hashing, so other streams do not stall meanwhile."""
-    from lpcache.chat_request import OFF_LOOP_BYTES
+    from lpcache.apis.base import OFF_LOOP_BYTES
     from lpcache.sessions import Summary
 
     proxy = start_proxy(start_backend(slots=1, n_ctx=100_000))

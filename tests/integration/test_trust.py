@@ -127,7 +127,10 @@ def test_a_completion_between_two_chat_turns_leaves_no_false_hit(start_backend: 
     assert r.status_code == 200
     proxy.settle()
     assert mock_stats(backend)["chat_by_slot"] == {"0": 2}     # pinned to the slot lpcache gave it
-    assert proxy.pipeline.pool.slots[0].content is None        # what it holds now is unknown to lpcache
+    completion = next(record for record in proxy.records if record.api == "completions")
+    held = proxy.pipeline.pool.slots[0].content                # what it holds now: the completion's prompt
+    assert completion.api == "completions" and held is not None and held.prompt is not None
+    assert held.prompt.key == completion.key
     r = ledger.send(conv.advance(chats.assistant_text(1)))
     assert r.headers["x-lpcache-restored"] == "true" and r.headers["x-lpcache-cache-hit"] == "true"
     assert proxy.busy_slots() == []
@@ -247,7 +250,7 @@ def test_generation_routes_fail_over_and_answer_in_openai_shape(start_backend: A
     r = proxy.client.post("/v1/completions", json={"prompt": "hello there", "max_tokens": 2})
     assert r.status_code == 200 and mock_stats(live)["chat_requests"] == 1
     bad = proxy.client.post("/v1/completions", content=b"{not json")
-    assert bad.status_code == 400                       # the server's own answer to a body it cannot read
+    assert bad.status_code == 422 and bad.json()["error"]["code"] == "invalid_json"   # as for chat
     assert proxy.busy_slots() == []
 
 
