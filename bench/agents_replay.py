@@ -134,7 +134,7 @@ def send(url: str, session: Session, turn: int, max_tokens: int, timeout: float)
             else:
                 r.read()
                 row.error = r.text[:300] or f"HTTP {r.status_code}"
-    except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+    except Exception as exc:   # any failure is this request's error; the other sessions go on
         row.error = f"{type(exc).__name__}: {exc}"[:300]
     row.total_s = time.perf_counter() - start
     if row.ttft_s is None and row.status == 200:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import tempfile
@@ -90,11 +91,13 @@ def one_run(setup: Setup, load: Sequence[Session], tokens: dict[tuple[int, int],
             url = proxy.url
         say(f"agents: {setup.label}")
         before = computed_tokens(server.url)
+        load_before = os.getloadavg()[0]
         started = time.perf_counter()
         rows = run_sessions(url, load, concurrency=args.agent_concurrency, max_tokens=args.agent_max_tokens,
                             progress=lambda m: say("  " + m))
         summary = summarise(rows, tokens, time.perf_counter() - started)
         summary["server_computed"] = computed_tokens(server.url) - before
+        summary["load_1m"] = [round(load_before, 1), round(os.getloadavg()[0], 1)]
         if proxy is not None:
             summary.update(lpcache_counts(proxy.url))
         summary.update(setup=setup.key, label=setup.label, commit=_commit(), at=time.strftime("%Y-%m-%d %H:%M"))
@@ -181,7 +184,9 @@ def markdown(report: dict[str, Any], machine: str, minutes: float) -> str:
                      "-" if base is None else f"{s['elapsed_s'] / base['elapsed_s']:.3f}", s.get("restores", "-")])
     per_api = "; ".join(f"{s['label']}: {s.get('computed_responses')} + {s.get('computed_messages')} tokens, "
                         f"{s.get('ttft_p50_responses')} s and {s.get('ttft_p50_messages')} s" for s in summaries)
-    runs = "; ".join(f"{s['label']}: {s['at']}, commit {s['commit'].split()[0]}" for s in summaries)
+    runs = "; ".join(f"{s['label']}: {s['at']}, commit {s['commit'].split()[0]}"
+                     + (f", 1-minute load {s['load_1m'][0]} → {s['load_1m'][1]}" if "load_1m" in s else "")
+                     for s in summaries)
     requests = st["sessions"] * (st["steps"] + 1)
     return "\n".join([
         START, "", "## Agent sessions through the Responses and Messages APIs (`bench/scenarios.py --only agents`)",
@@ -207,5 +212,7 @@ def markdown(report: dict[str, Any], machine: str, minutes: float) -> str:
         "its `/v1/responses/input_tokens` and `/v1/messages/count_tokens`); time to first token is to the first "
         "content event of the stream; `time` the whole run; `restores` lpcache's slot restores.", "",
         table(HEADERS, rows), "",
-        f"By API (computed through Responses + through Messages, ttft p50 of each): {per_api}. Runs: {runs}.", "",
-        END])
+        f"By API (computed through Responses + through Messages, ttft p50 of each): {per_api}.", "",
+        f"Runs: {runs}." + (" llama-server takes about 2 of the load; more is other work on the machine, which "
+                            "slows the run it overlaps: the times vary with it, the token counts do not."
+                            if any("load_1m" in s for s in summaries) else ""), "", END])
