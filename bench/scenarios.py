@@ -11,11 +11,15 @@ starts it (`python -m lpcache` with its settings in the environment), then repla
     two         two llama-servers (-np 1 --cache-ram 0 each) behind lpcache, against one (-np 2 --cache-ram 0) alone
     sessions    -np 1 --cache-ram 0, requests with X-Session-ID (session mode)
     ram0-c4     as ram0, four requests at a time
+    two-12      two llama-servers behind lpcache, 12 conversations two at a time, against one alone
+    agents      coding-agent sessions through the Responses and Messages APIs (bench/agents_scenario.py: its own
+                workload, setups, table and markers)
 
 Each lpcache run is made with SAVE_POLICY eager and evict. The tables and a plot go to docs/benchmarks.md (between
 its `scenarios` markers) and docs/bench-scenarios.png; the raw figures to bench/results/scenarios.json.
 
-Run: python bench/scenarios.py [--only fits,ram0] [--users 3] [--rounds 3] [--first-words 500] [--no-docs]
+Run: python bench/scenarios.py [--only fits,ram0,agents] [--users 3] [--rounds 3] [--first-words 500] [--no-docs]
+     [--agent-sessions 4] [--agent-steps 8] [--agent-concurrency 2] [--agent-setups ram0,ram,lpcache]
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import agents_scenario  # noqa: E402
 from _common import llama_machine_text, replace_section, table  # noqa: E402
 from replay import replay  # noqa: E402
 
@@ -44,6 +49,8 @@ PLOT = REPO / "docs" / "bench-scenarios.png"
 RESULTS = REPO / "bench" / "results" / "scenarios.json"
 START, END = "<!-- scenarios:start -->", "<!-- scenarios:end -->"
 POLICIES = ("eager", "evict")
+AGENTS = "agents"
+KINDS = ("generate", "annotate", "redraft")
 
 
 @dataclass(frozen=True)
@@ -203,14 +210,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--first-words", type=int, default=500)
     ap.add_argument("--part-words", type=int, default=40)
     ap.add_argument("--no-docs", action="store_true", help="print only; do not write docs/ and bench/results/")
+    agents_scenario.add_arguments(ap)
     args = ap.parse_args(argv)
-    chosen = [s for s in SCENARIOS if not args.only or s.name in args.only.split(",")]
-    if not chosen:
-        ap.error(f"no such scenario; choose among {', '.join(s.name for s in SCENARIOS)}")
-    kinds = ("generate", "annotate", "redraft")
-    workload = turns(users=args.users, kinds=kinds, rounds=args.rounds, first_words=args.first_words,
+    only = args.only.split(",") if args.only else None
+    chosen = [s for s in SCENARIOS if only is None or s.name in only]
+    agents = only is None or AGENTS in only
+    if not chosen and not agents:
+        ap.error(f"no such scenario; choose among {', '.join([*(s.name for s in SCENARIOS), AGENTS])}")
+    workload = turns(users=args.users, kinds=KINDS, rounds=args.rounds, first_words=args.first_words,
                      part_words=args.part_words)
-    described = (f"{args.users} users x {len(kinds)} kinds ({', '.join(kinds)}) x {args.rounds} rounds = "
+    described = (f"{args.users} users x {len(KINDS)} kinds ({', '.join(KINDS)}) x {args.rounds} rounds = "
                  f"{len(workload)} requests, stories of {args.first_words} words growing by {args.part_words} a "
                  "round, 8 tokens generated per answer, temperature 0")
     started = time.perf_counter()
@@ -218,10 +227,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     def say(message: str) -> None:
         print(f"[{time.perf_counter() - started:6.0f} s] {message}", flush=True)
 
+    if chosen:
+        run_stories(chosen, workload, described, args, say, started)
+    if agents:
+        agents_started = time.perf_counter()
+        report = agents_scenario.run(args, say)
+        section = agents_scenario.markdown(report, llama_machine_text(*llama_paths()),
+                                           (time.perf_counter() - agents_started) / 60)
+        print(section)
+        if not args.no_docs:
+            agents_scenario.RESULTS.parent.mkdir(parents=True, exist_ok=True)
+            agents_scenario.RESULTS.write_text(json.dumps(report, indent=1, ensure_ascii=False))
+            replace_section(DOC, agents_scenario.START, agents_scenario.END, section)
+            print(f"wrote {DOC.relative_to(REPO)}, {agents_scenario.RESULTS.relative_to(REPO)}")
+    return 0
+
+
+def run_stories(chosen: Sequence[Scenario], workload: Sequence[Turn], described: str, args: argparse.Namespace,
+                say: Callable[[str], None], started: float) -> None:
     results: list[Result] = []
     for scenario in chosen:
         load = workload if scenario.users is None else turns(
-            users=scenario.users, kinds=kinds, rounds=args.rounds, first_words=args.first_words,
+            users=scenario.users, kinds=KINDS, rounds=args.rounds, first_words=args.first_words,
             part_words=args.part_words)
         runs: dict[str | None, list[Result]] = {}
         for _ in range(scenario.repeat):   # interleaved, so a slow spell of the machine hits every setup alike
@@ -245,7 +272,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         plot(results, PLOT)
         replace_section(DOC, START, END, section)
         print(f"wrote {DOC.relative_to(REPO)}, {PLOT.relative_to(REPO)}, {RESULTS.relative_to(REPO)}")
-    return 0
 
 
 if __name__ == "__main__":
