@@ -343,12 +343,13 @@ class SlotFiller:
                 record.restore_reused = record.cache_n >= REUSE_SHORT * record.restore_expected
             return
         speeds = self.speeds.of(backend.index, RouterModels.served(backend, prompt.model))
-        # More from the cache than the slot's shared blocks hold, and more than all the slot held (when known: the
-        # slot alone cannot explain it then; it still holds what it held, until the request's slot is released):
-        # the server's RAM prompt cache served it.
-        held = choice.slot.content.tokens if choice.slot.content is not None else None
-        if not record.restored and not backend.ram_cache and record.cache_n >= REUSE_MIN_TOKENS + speeds.tokens_of(
-                choice.resident + 2) and (held is None or record.cache_n > held):
+        # More from the cache than the slot's shared blocks hold, and more than all the slot held (it still holds
+        # what it held, until the request's slot is released): the server's RAM prompt cache served it. A slot whose
+        # content lpcache does not know (another lpcache's, a restart's) may have held it itself: no sign then.
+        held = choice.slot.content
+        explained = held is None or (held.tokens is not None and record.cache_n <= held.tokens)
+        if not record.restored and not backend.ram_cache and not explained and \
+                record.cache_n >= REUSE_MIN_TOKENS + speeds.tokens_of(choice.resident + 2):
             backend.ram_cache = True
             log.info("backend_ram_cache url=%s cache_n=%d: llama-server's RAM prompt cache served a prompt no slot "
                      "held; what it likely holds is left to it rather than restored from disk", backend.url,
