@@ -23,7 +23,7 @@ class Proxy:
         self.app = create_app(settings)
         self.server = ServerThread(self.app, **server_options(settings)).start()
         self.url = self.server.url
-        self.client = httpx.Client(base_url=self.url, timeout=60)
+        self.client = httpx.Client(base_url=self.url, timeout=300)   # a real prefill on a busy 2-core machine
         self.records: list[Any] = []
         self._finished = threading.Condition()
         self.pipeline.observers.append(self._observe)
