@@ -311,6 +311,22 @@ def _stop(index: int) -> bytes:
     return _event("content_block_stop", {"type": "content_block_stop", "index": index})
 
 
+def _text_events(d: _Diff, thinking: bool, text: bool, text_index: int, out: list[bytes]) -> tuple[bool, bool]:
+    """A diff's thinking and text events (a block started at its first delta), as partial and final results write
+    them alike; returns whether the thinking and text blocks are started."""
+    if d.reasoning:
+        if not thinking:
+            out.append(_start(0, {"type": "thinking", "thinking": ""}))
+            thinking = True
+        out.append(_delta(0, {"type": "thinking_delta", "thinking": d.reasoning}))
+    if d.content:
+        if not text:
+            out.append(_start(text_index, {"type": "text", "text": ""}))
+            text = True
+        out.append(_delta(text_index, {"type": "text_delta", "text": d.content}))
+    return thinking, text
+
+
 class MessagesStream:
     """llama-server's chat-completions SSE stream for a `chat_request` -> the Anthropic SSE stream its own
     /v1/messages sends for the same request.
@@ -385,7 +401,7 @@ class MessagesStream:
         return diffs
 
     def _partial(self, result: list[dict[str, Any]], timings: dict[str, Any] | None) -> bytes:
-        out = []
+        out: list[bytes] = []
         if timings is not None and timings.get("predicted_n") == 1:
             head = result[0]
             out.append(_event("message_start", {"type": "message_start", "message": {
@@ -397,16 +413,7 @@ class MessagesStream:
         thinking, text = self._thinking_started, self._text_started
         text_index = 1 if self._reasoning else 0
         for d in diffs:
-            if d.reasoning:
-                if not thinking:
-                    out.append(_start(0, {"type": "thinking", "thinking": ""}))
-                    thinking = True
-                out.append(_delta(0, {"type": "thinking_delta", "thinking": d.reasoning}))
-            if d.content:
-                if not text:
-                    out.append(_start(text_index, {"type": "text", "text": ""}))
-                    text = True
-                out.append(_delta(text_index, {"type": "text_delta", "text": d.content}))
+            thinking, text = _text_events(d, thinking, text, text_index, out)
             if d.tool is not None:
                 index = (1 if self._reasoning else 0) + (1 if text else 0) + d.tool
                 if d.name:
@@ -423,18 +430,9 @@ class MessagesStream:
         started: set[int] = set()
         text_index = 1 if self._reasoning else 0
         tools_index = text_index + (1 if self._text else 0)
-        out = []
+        out: list[bytes] = []
         for d in diffs:
-            if d.reasoning:
-                if not thinking:
-                    out.append(_start(0, {"type": "thinking", "thinking": ""}))
-                    thinking = True
-                out.append(_delta(0, {"type": "thinking_delta", "thinking": d.reasoning}))
-            if d.content:
-                if not text:
-                    out.append(_start(text_index, {"type": "text", "text": ""}))
-                    text = True
-                out.append(_delta(text_index, {"type": "text_delta", "text": d.content}))
+            thinking, text = _text_events(d, thinking, text, text_index, out)
             if d.tool is not None:
                 if d.tool not in started:
                     call_id, name = self._tools[d.tool]
