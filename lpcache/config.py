@@ -318,7 +318,8 @@ OPTIONS: tuple[Option, ...] = (
            "Seconds a request waits for a free slot before it gets 503 all slots busy.", metavar="SECONDS"),
     Option("SLOT_AFFINITY_WAIT", "--slot-affinity-wait", _float(0.0), "30",
            "Longest wait, in seconds, for a busy slot that will hold more of a request's prompt than any idle slot "
-           "or saved cache (its conversation's previous turn, still answered or saved). lpcache waits only while "
+           "or saved cache (its conversation's previous turn, still answered or saved, or a request sharing its "
+           "long prefix that came just before). lpcache waits only while "
            "the wait is expected to be shorter than the prefill it spares, from the speeds it learnt; 0 = never.",
            metavar="SECONDS"),
     Option("CLIENT_SLOT_ACTIONS", "--client-slot-actions", _bool, "false",

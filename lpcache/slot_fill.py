@@ -35,10 +35,14 @@ from .reuse import REUSE_MIN_TOKENS, REUSE_SHORT, ReuseWatch
 from .router_models import RouterModels
 from .saving import Saver, int_or_none, slot_files_off
 from .sessions import SessionBook, route_name
-from .slots import Choice, Content, Slot, SlotPool, Want, wait_plan
+from .slots import Budget, Choice, Content, Slot, SlotPool, Want, wait_plan
 from .speeds import SpeedBook
 
 log = logging.getLogger("lpcache.slot_fill")
+
+# Before any speed of a server is learnt, a request waits for a busy slot on that same server whose prompt brings it
+# at least this many tokens: a prefill of 1,024 tokens takes longer than a short answer on any hardware we know.
+BESIDE_MIN_TOKENS = 1024
 
 
 def resavable(content: Content) -> bool:
@@ -118,26 +122,38 @@ class SlotFiller:
 
         return pays
 
-    def budget(self, prompt: Prompt) -> Callable[[Slot | None, int], float]:
+    def budget(self, prompt: Prompt) -> Budget:
         """How long waiting for a busy slot that brings `blocks` more of the prompt may take: the prefill of those
         blocks at the learnt speed (capped by SLOT_AFFINITY_WAIT), and nothing when the slot is expected to stay
-        busy longer. Before the speeds are known, only a slot being saved (its answer is over) is waited for."""
+        busy longer. `beside`: the alternative is a prefill on the busy slot's own server, which would run beside
+        the busy slot's and share the server's compute, so the busy slot's own prefill is no cost of waiting (two
+        requests sharing an agent harness arriving together: the second waits, then computes only its own part).
+        Before the speeds are known, only a slot being saved is waited for, or, `beside`, a busy slot whose prompt
+        brings at least BESIDE_MIN_TOKENS (its answer is then expected to be shorter than that prefill)."""
         cap = self.settings.slot_affinity_wait
 
-        def budget(slot: Slot | None, blocks: int) -> float:
+        def budget(slot: Slot | None, blocks: int, beside: bool) -> float:
             if slot is None or cap <= 0 or blocks <= 0:
                 return 0.0
             backend = self.backends[slot.backend]
             speeds = self.speeds.of(backend.index, RouterModels.served(backend, prompt.model))
             benefit = speeds.prefill.seconds(speeds.tokens_of(blocks))
             if benefit is None:
-                return cap if slot.phase == "save" else 0.0
+                if slot.phase == "save" or (beside and speeds.tokens_of(blocks) >= BESIDE_MIN_TOKENS):
+                    return cap
+                return 0.0
             if slot.free_at is not None and slot.free_at - time.monotonic() >= benefit:
                 return 0.0
             if slot.free_at is None and slot.phase != "save":
                 generate = speeds.generate.seconds(64)   # an answer of unknown length: a short one, at least
-                if generate is None or generate >= benefit:
+                if generate is None and not (beside and speeds.tokens_of(blocks) >= BESIDE_MIN_TOKENS):
                     return 0.0
+                if generate is not None and generate >= benefit:
+                    return 0.0
+                held = slot.pending or slot.content
+                if beside and held is not None:
+                    ahead = speeds.prefill.seconds(speeds.tokens_of(len(held.chain))) or 0.0
+                    return min(cap, benefit + ahead)
             return min(cap, benefit)
 
         return budget

@@ -160,7 +160,9 @@ def resident(slots: Sequence[Slot], prompt: Prompt | None) -> tuple[Slot | None,
     return best_slot, best[0]
 
 
-Budget = Callable[[Slot | None, int], float]
+Budget = Callable[[Slot | None, int, bool], float]
+"""`budget(slot, blocks, beside)`: the longest wait for the busy `slot` that still beats prefilling `blocks` on
+another slot; `beside`: that other slot would be on the busy slot's own server, prefilling beside it."""
 
 
 @dataclass(frozen=True)
@@ -174,15 +176,18 @@ class WaitPlan:
 def wait_plan(slots: Sequence[Slot], prompt: Prompt | None, candidate: Candidate | None,
               allowed: Callable[[Slot], bool] | None, session: str | None, homes: frozenset[int],
               budget: Budget) -> WaitPlan | None:
-    """Whether to wait for a busy slot, and how long: a cost decision. `budget(slot, blocks)` is the longest wait
-    that still beats prefilling `blocks` elsewhere (0: do not wait), from the learnt speeds and what the busy slot
-    is doing (`Slot.phase`, `Slot.free_at`).
+    """Whether to wait for a busy slot, and how long: a cost decision. `budget(slot, blocks, beside)` is the longest
+    wait that still beats prefilling `blocks` elsewhere (0: do not wait), from the learnt speeds and what the busy
+    slot is doing (`Slot.phase`, `Slot.free_at`).
 
     - In session mode: the busy slot that holds (or is about to hold) the session; else, when the session's file is
       only on busy backends (`homes`), their slots.
     - In prefix mode: the busy slot that will hold more of the prompt than any idle slot or saved cache (the previous
-      turn of the same conversation, still answered or saved); else, when the best saved cache is only readable by
-      busy slots, those.
+      turn of the same conversation, still answered or saved, or a request sharing a long prefix that arrived just
+      before: an agent harness, a document); else, when the best saved cache is only readable by busy slots, those.
+      When no idle slot is on another server, taking one means prefilling beside the busy slot on its own server
+      (`beside`): the two prefills share that server's compute, so waiting out the busy slot's prefill costs
+      nothing, only its answer and save do.
     """
     ok: Callable[[Slot], bool] = allowed or (lambda s: True)
     n = len(prompt.exact) if prompt is not None else 0
@@ -190,11 +195,11 @@ def wait_plan(slots: Sequence[Slot], prompt: Prompt | None, candidate: Candidate
         for slot in slots:
             held = (slot.pending or slot.content) if slot.busy else None
             if held is not None and held.key == session and ok(slot):
-                seconds = budget(slot, n)
+                seconds = budget(slot, n, False)
                 return WaitPlan(_only(slot), seconds) if seconds > 0 else None
         mine = [s for s in slots if ok(s) and s.backend in homes]
         if homes and mine and all(s.busy for s in mine):
-            seconds = budget(_soonest(mine), n)
+            seconds = budget(_soonest(mine), n, False)
             return WaitPlan(lambda s: s.backend in homes, seconds) if seconds > 0 else None
         return None
     if prompt is None or not prompt.exact:
@@ -213,13 +218,14 @@ def wait_plan(slots: Sequence[Slot], prompt: Prompt | None, candidate: Candidate
     disk = candidate.shared if candidate is not None else 0
     least = max(1, math.ceil(RESIDENT_MIN_SHARE * len(prompt.exact)))
     if best is not None and busy_shared >= least and busy_shared > max(idle_shared, disk):
-        seconds = budget(best, busy_shared - max(idle_shared, disk))
+        beside = not any(ok(s) and not s.busy and s.backend != best.backend for s in slots)
+        seconds = budget(best, busy_shared - max(idle_shared, disk), beside)
         if seconds > 0:
             return WaitPlan(_only(best), seconds)
     if candidate is not None and disk > idle_shared:
         readers = [s for s in slots if ok(s) and s.can_read(candidate)]
         if readers and all(s.busy for s in readers):
-            seconds = budget(_soonest(readers), disk - idle_shared)
+            seconds = budget(_soonest(readers), disk - idle_shared, False)
             if seconds > 0:
                 return WaitPlan(lambda s: s.can_read(candidate), seconds)
     return None

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from lpcache import chats
+from lpcache import agents, chats
 from lpcache.config import BackendConfig
 
 from ..agent_loop import AgentLoop
@@ -305,3 +305,49 @@ def test_coalesced_messages_followers_get_the_leaders_error(start_backend: Any, 
     holder.join()
     assert [a.status_code for a in answers] == [503] * 3
     assert all(a.json()["type"] == "error" and a.json()["error"]["type"] == "unavailable_error" for a in answers)
+
+
+@pytest.mark.parametrize(("api", "servers", "learnt"), [("responses", 1, False), ("messages", 1, False),
+                                                      ("messages", 1, True), ("messages", 2, False)])
+def test_a_session_starting_beside_another_on_one_server_waits_for_its_harness(start_backend: Any,
+                                                                                start_proxy: Any, api: str,
+                                                                                servers: int, learnt: bool) -> None:
+    """Two agent sessions of one harness (system prompt and tool schemas) start together. On one server (-np 2) the
+    second waits for the first's slot and computes only its own task: a prefill beside the first would share that
+    server's compute and compute the harness twice. With an idle slot on another server it goes there at once.
+    In a fresh lpcache (nothing learnt) the harness's size decides; once the server's speeds are learnt (`learnt`),
+    the cost: the prefill the wait spares against a short answer and a save."""
+    speed = {"prefill_ms_per_token": 1.0, "gen_ms_per_token": 1.0}
+    backends = ([start_backend(slots=2, **speed)] if servers == 1 else
+                [start_backend(slots=1, **speed) for _ in range(2)])
+    proxy = start_proxy(*backends)
+    if learnt:
+        rng = random.Random(5)
+        r = post(proxy, "/v1/chat/completions", {"messages": [{"role": "user", "content": " ".join(
+            chats.sentence(rng) for _ in range(80))}], "max_tokens": 40})
+        speeds = proxy.pipeline.speeds.of(0, "").describe()
+        assert r.status_code == 200 and speeds["prefill_ms_per_token"] and speeds["generate_ms_per_token"]
+        proxy.records.clear()
+    first, second = [s for s in agents.sessions(4) if s.api == api]
+    answers: list[httpx.Response] = []
+
+    def send(session: agents.Session) -> None:
+        answers.append(proxy.client.post(agents.API_PATHS[api], json=session.body(0, max_tokens=4), timeout=60))
+
+    known = sum(mock_stats(b)["chat_requests"] for b in backends)
+    leader = threading.Thread(target=send, args=(first,))
+    leader.start()
+    deadline = time.monotonic() + 30
+    while sum(mock_stats(b)["chat_requests"] for b in backends) <= known:   # the first is prefilling on its server
+        assert time.monotonic() < deadline
+    send(second)
+    leader.join()
+    proxy.wait_finished(2)
+    assert [r.status_code for r in answers] == [200, 200], [r.text for r in answers]
+    a, b = proxy.records
+    assert a.cache_n == 0 and a.prompt_n and a.prompt_n > 2000 and not b.restored
+    if servers == 1:
+        assert (b.backend, b.slot) == (a.backend, a.slot)
+        assert b.cache_n and b.cache_n > 2000 and b.prompt_n and b.prompt_n < a.prompt_n - 2000
+    else:
+        assert b.backend != a.backend and b.cache_n == 0

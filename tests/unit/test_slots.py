@@ -406,11 +406,11 @@ async def test_release_updates_last_used_for_lru() -> None:
     assert not any(s.busy for s in pool.slots)
 
 
-def never(slot: Slot | None, blocks: int) -> float:
+def never(slot: Slot | None, blocks: int, beside: bool) -> float:
     return 0.0
 
 
-def seconds_per_block(slot: Slot | None, blocks: int) -> float:
+def seconds_per_block(slot: Slot | None, blocks: int, beside: bool) -> float:
     """A budget of one second per block gained (as if prefilling a block took a second)."""
     return float(blocks)
 
@@ -438,6 +438,26 @@ def test_wait_plan_for_a_busy_slot_that_will_hold_the_conversation() -> None:
     # the filter of the request applies
     idle.content = None
     assert wait_plan([busy, idle], nxt, None, lambda s: s is not busy, None, frozenset(), seconds_per_block) is None
+
+
+def test_wait_plan_says_when_the_alternative_prefills_beside_the_busy_slot() -> None:
+    """`beside`: every idle slot the request may take is on the busy slot's server (a prefill there shares that
+    server's compute with the busy slot's); an idle slot on another server is a prefill of its own."""
+    harness, mine = long_prompt(40), prompt(" ".join(f"w{i}" for i in range(40)) + " and my own task")
+    asked: list[bool] = []
+
+    def budget(slot: Slot | None, blocks: int, beside: bool) -> float:
+        asked.append(beside)
+        return float(blocks)
+
+    busy = Slot(0, 0, busy=True, used=True, pending=content_of(harness))
+    same, other = Slot(0, 1, used=True), Slot(1, 0, used=True)
+    assert wait_plan([busy, same], mine, None, None, None, frozenset(), budget) is not None and asked == [True]
+    assert wait_plan([busy, same, other], mine, None, None, None, frozenset(), budget) is not None
+    assert asked == [True, False]
+    # the request may not use the other server (a model it does not serve): beside again
+    assert wait_plan([busy, same, other], mine, None, lambda s: s.backend == 0, None, frozenset(), budget)
+    assert asked == [True, False, True]
 
 
 def test_wait_plan_for_the_only_slots_that_can_read_the_saved_cache() -> None:
