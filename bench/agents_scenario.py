@@ -1,10 +1,14 @@
 """The `agents` scenario of bench/scenarios.py: coding-agent sessions through the Responses and Messages APIs.
 
 The workload is `lpcache.agents.sessions`: N sessions (default 4) on one harness (a system prompt and eight tool
-schemas), each a task and S tool exchanges (default 8), so S + 1 requests; the even sessions are sent through
-`POST /v1/responses`, the odd ones through `POST /v1/messages`, `concurrency` requests at a time (default 2), the
-sessions taking turns (bench/agents_replay.py). One llama-server (build 11434, SmolLM2-135M, `-np 2`, a context
-that holds the longest prompt in each slot, `--slot-save-path`, `--metrics`), fresh for every run:
+schemas), each a task and S tool exchanges (default 8), so S + 1 requests, `concurrency` requests at a time (default
+2), the sessions taking turns (bench/agents_replay.py). It runs once per route (`--agent-routes`): all sessions
+through `POST /v1/responses` (Codex-style), then all through `POST /v1/messages` (Claude-Code-style), as one agent
+program speaks one API; `mixed` sends the even sessions through Responses and the odd ones through Messages (one
+harness reaching the server through both APIs: lpcache's identity of a Responses request is not a Messages
+request's, so there it shares the harness within each API only). One llama-server (build 11434, SmolLM2-135M,
+`-np 2`, a context that holds the longest prompt in each slot, `--slot-save-path`, `--metrics`), fresh for every
+run:
 
     llama-server alone, --cache-ram 0
     llama-server alone, its default --cache-ram (8 GiB)
@@ -14,8 +18,9 @@ SmolLM2's own chat template drops the tools and the assistant's tool calls from 
 harness a system prompt only; llama-server is given bench/templates/chatml-tools.jinja instead, ChatML rendering
 them as Qwen2.5 does (the tools as JSON in the system turn, calls in <tool_call>, results in <tool_response>).
 
-The table goes to docs/benchmarks.md between its `agents` markers, the raw figures to bench/results/agents.json.
-`--agent-setups lpcache` runs one setup again and keeps the others' last figures from that file.
+A table per route goes to docs/benchmarks.md between its `agents` markers, the raw figures to
+bench/results/agents.json. `--agent-setups lpcache` runs one setup again and keeps the others' last figures (of the
+same route and settings) from that file.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from _common import table
 from agents_replay import prompt_tokens, rows_json, run_sessions, summarise
 from aiperf_scenario import computed_tokens, lpcache_counts
 
-from lpcache.agents import Session, sessions
+from lpcache.agents import APIS, Session, sessions
 from lpcache.testing import REPO, LlamaServer, LpcacheProcess
 from lpcache.workload import shared
 
@@ -44,6 +49,10 @@ START, END = "<!-- agents:start -->", "<!-- agents:end -->"
 RESULTS = REPO / "bench" / "results" / "agents.json"
 TEMPLATE = REPO / "bench" / "templates" / "chatml-tools.jinja"
 N_SLOTS = 2
+ROUTES = {"responses": ("responses",), "messages": ("messages",), "mixed": APIS}
+ROUTE_TITLES = {"responses": "every session through `POST /v1/responses`",
+                "messages": "every session through `POST /v1/messages`",
+                "mixed": "half the sessions through `POST /v1/responses`, half through `POST /v1/messages`"}
 
 
 @dataclass(frozen=True)
@@ -62,7 +71,9 @@ SETUPS = (
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--agent-sessions", type=int, default=4, help="agents: sessions (half Responses, half Messages)")
+    ap.add_argument("--agent-sessions", type=int, default=4, help="agents: sessions of a run")
+    ap.add_argument("--agent-routes", default="responses,messages",
+                    help="agents: one run per route: responses, messages, mixed (half and half)")
     ap.add_argument("--agent-steps", type=int, default=8, help="agents: tool exchanges per session")
     ap.add_argument("--agent-concurrency", type=int, default=2, help="agents: requests in flight")
     ap.add_argument("--agent-max-tokens", type=int, default=12, help="agents: tokens generated per answer")
@@ -121,8 +132,8 @@ def _commit() -> str:
     return out.stdout.strip()[:80]
 
 
-def workload(args: argparse.Namespace) -> list[Session]:
-    return sessions(args.agent_sessions, steps=args.agent_steps, seed=args.agent_seed)
+def workload(args: argparse.Namespace, route: str) -> list[Session]:
+    return sessions(args.agent_sessions, steps=args.agent_steps, seed=args.agent_seed, apis=ROUTES[route])
 
 
 def measure(load: Sequence[Session]) -> tuple[dict[tuple[int, int], list[int]], dict[str, int]]:
@@ -140,29 +151,41 @@ def measure(load: Sequence[Session]) -> tuple[dict[tuple[int, int], list[int]], 
 
 
 def run(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str, Any]:
-    """The chosen setups, one after the other; the others' figures from the last results file."""
-    load = workload(args)
+    """Each route's run; the figures of setups not chosen from the last results file."""
+    routes = args.agent_routes.split(",")
+    unknown = set(routes) - set(ROUTES)
+    if unknown:
+        raise SystemExit(f"unknown agent routes {sorted(unknown)}; choose among {sorted(ROUTES)}")
+    old = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
+    before = {part.get("settings", {}).get("route"): part for part in old.get("routes", [])}
+    return {"routes": [run_route(route, args, say, before.get(route)) for route in routes]}
+
+
+def run_route(route: str, args: argparse.Namespace, say: Callable[[str], None],
+              old: dict[str, Any] | None) -> dict[str, Any]:
+    """The chosen setups on one route's workload, one after the other."""
+    load = workload(args, route)
     tokens, sizes = measure(load)
     ctx = N_SLOTS * (-(-(sizes["longest"] + args.agent_max_tokens + 64) // 256) * 256)
-    say(f"agents: {len(load)} sessions x {load[0].turns} requests, harness {sizes['harness']} tokens, an exchange "
-        f"{sizes['exchange']} on average, longest prompt {sizes['longest']}; -c {ctx}")
-    settings = {"sessions": len(load), "steps": args.agent_steps, "concurrency": args.agent_concurrency,
-                "max_tokens": args.agent_max_tokens, "seed": args.agent_seed, "ctx": ctx, **sizes}
+    say(f"agents ({route}): {len(load)} sessions x {load[0].turns} requests, harness {sizes['harness']} tokens, an "
+        f"exchange {sizes['exchange']} on average, longest prompt {sizes['longest']}; -c {ctx}")
+    settings = {"route": route, "sessions": len(load), "steps": args.agent_steps,
+                "concurrency": args.agent_concurrency, "max_tokens": args.agent_max_tokens, "seed": args.agent_seed,
+                "ctx": ctx, **sizes}
     chosen = args.agent_setups.split(",")
     unknown = set(chosen) - {s.key for s in SETUPS}
     if unknown:
         raise SystemExit(f"unknown agent setups {sorted(unknown)}; choose among {[s.key for s in SETUPS]}")
     kept: dict[str, Any] = {}
-    if len(chosen) < len(SETUPS) and RESULTS.is_file():
-        old = json.loads(RESULTS.read_text())
+    if len(chosen) < len(SETUPS) and old is not None:
         if old.get("settings") == settings:
             kept = {r["summary"]["setup"]: r for r in old["results"]}
         else:
-            say("agents: bench/results/agents.json has other settings; its figures are not kept")
+            say(f"agents ({route}): bench/results/agents.json has other settings; its figures are not kept")
     results = []
     for setup in SETUPS:
         if setup.key in chosen:
-            results.append(one_run(setup, load, tokens, ctx, args, say))
+            results.append(one_run(setup, load, tokens, ctx, args, lambda m: say(f"[{route}] {m}")))
         elif setup.key in kept:
             results.append(kept[setup.key])
     return {"settings": settings, "results": results}
@@ -173,36 +196,23 @@ HEADERS = ["setup", "requests", "errors", "computed", "ideal", "x ideal", "serve
 
 
 def markdown(report: dict[str, Any], machine: str, minutes: float) -> str:
-    st = report["settings"]
-    rows = []
-    summaries = [r["summary"] for r in report["results"]]
-    base = next((s for s in summaries if s["setup"] == "ram0"), None)
-    for s in summaries:
-        rows.append([s["label"], s["requests"], s["errors"], s["computed"], s["ideal"],
-                     f"{s['computed_over_ideal']:.3f}", s["server_computed"], f"{s['ttft_p50']:.2f}",
-                     f"{s['ttft_p90']:.2f}", f"{s['elapsed_s']:.1f}",
-                     "-" if base is None else f"{s['elapsed_s'] / base['elapsed_s']:.3f}", s.get("restores", "-")])
-    per_api = "; ".join(f"{s['label']}: {s.get('computed_responses')} + {s.get('computed_messages')} tokens, "
-                        f"{s.get('ttft_p50_responses')} s and {s.get('ttft_p50_messages')} s" for s in summaries)
-    runs = "; ".join(f"{s['label']}: {s['at']}, commit {s['commit'].split()[0]}"
-                     + (f", 1-minute load {s['load_1m'][0]} → {s['load_1m'][1]}" if "load_1m" in s else "")
-                     for s in summaries)
+    parts = report["routes"]
+    st = parts[0]["settings"]
     requests = st["sessions"] * (st["steps"] + 1)
-    return "\n".join([
+    lines = [
         START, "", "## Agent sessions through the Responses and Messages APIs (`bench/scenarios.py --only agents`)",
         "", f"{machine}. Whole run: {minutes:.0f} minutes.", "",
         f"Workload (`lpcache.agents`): {st['sessions']} coding-agent sessions sharing one harness, a system prompt "
         f"and eight tool schemas (read_file, write_file, apply_patch, run_shell, search_code, list_dir, glob_files, "
-        f"todo_write; {st['harness']:,} tokens as rendered). Each session is a task (~{st['task']} tokens) and "
-        f"{st['steps']} tool exchanges, so {st['steps'] + 1} requests, {requests} in all: each request is the "
-        f"previous one plus a scripted tool call and its result (numbered source lines, pytest, git, tsc and cargo "
-        f"output, search hits, directory trees, with Unicode; ~{st['exchange']} tokens an exchange); the model's own "
-        "answers are not used, as an agent replays its own tool loop. Half the sessions go through "
-        f"`POST /v1/responses`, half through `POST /v1/messages`; {st['concurrency']} requests in flight, the "
-        f"sessions taking turns, so a session's next request usually finds its slot holding another session; "
-        f"{st['max_tokens']} tokens generated per answer, temperature 0, streamed. One llama-server, `-np "
-        f"{N_SLOTS}` with `-c {st['ctx']}` (the longest prompt, {st['longest']:,} tokens, fits a slot), fresh for "
-        "every run; lpcache with its default settings, its backend with `--cache-ram 0` as in the other scenarios. "
+        f"todo_write). Each session is a task and {st['steps']} tool exchanges, so {st['steps'] + 1} requests, "
+        f"{requests} in all: each request is the previous one plus a scripted tool call and its result (numbered "
+        "source lines, pytest, git, tsc and cargo output, search hits, directory trees, with Unicode); the model's "
+        "own answers are not used, as an agent replays its own tool loop. One run per route, as one agent program "
+        f"speaks one API (Codex-style clients Responses, Claude-Code-style clients Messages); {st['concurrency']} "
+        "requests in flight, the sessions taking turns, so a session's next request usually finds its slot holding "
+        f"another session; {st['max_tokens']} tokens generated per answer, temperature 0, streamed. One "
+        f"llama-server, `-np {N_SLOTS}` with a context that holds the longest prompt in each slot, fresh for every "
+        "run; lpcache with its default settings, its backend with `--cache-ram 0` as in the other scenarios. "
         "SmolLM2's own chat template leaves out the tools and the tool calls, so llama-server renders the prompts "
         "with `bench/templates/chatml-tools.jinja` (ChatML with tools, as Qwen2.5 renders them).", "",
         "`computed` is the prompt tokens the answers' usage says were computed (Responses: `input_tokens` − "
@@ -210,9 +220,42 @@ def markdown(report: dict[str, Any], machine: str, minutes: float) -> str:
         "`llamacpp:prompt_tokens_total`; the ideal is the harness once, then each request's tokens that no earlier "
         "request shared as a prefix (counted with llama-server's `/apply-template` and `/tokenize`, checked against "
         "its `/v1/responses/input_tokens` and `/v1/messages/count_tokens`); time to first token is to the first "
-        "content event of the stream; `time` the whole run; `restores` lpcache's slot restores.", "",
-        table(HEADERS, rows), "",
-        f"By API (computed through Responses + through Messages, ttft p50 of each): {per_api}.", "",
-        f"Runs: {runs}." + (" llama-server takes about 2 of the load; more is other work on the machine, which "
-                            "slows the run it overlaps: the times vary with it, the token counts do not."
-                            if any("load_1m" in s for s in summaries) else ""), "", END])
+        "content event of the stream; `time` the whole run; `restores` lpcache's slot restores.", ""]
+    loaded = False
+    for part in parts:
+        st = part["settings"]
+        summaries = [r["summary"] for r in part["results"]]
+        loaded = loaded or any("load_1m" in s for s in summaries)
+        base = next((s for s in summaries if s["setup"] == "ram0"), None)
+        rows = [[s["label"], s["requests"], s["errors"], s["computed"], s["ideal"], f"{s['computed_over_ideal']:.3f}",
+                 s["server_computed"], f"{s['ttft_p50']:.2f}", f"{s['ttft_p90']:.2f}", f"{s['elapsed_s']:.1f}",
+                 "-" if base is None else f"{s['elapsed_s'] / base['elapsed_s']:.3f}", s.get("restores", "-")]
+                for s in summaries]
+        runs = "; ".join(f"{s['label']}: {s['at']}, commit {s['commit'].split()[0]}"
+                         + (f", 1-minute load {s['load_1m'][0]} → {s['load_1m'][1]}" if "load_1m" in s else "")
+                         for s in summaries)
+        lines += [f"### {ROUTE_TITLES[st['route']]}", "",
+                  f"Harness {st['harness']:,} tokens as rendered, a task ~{st['task']} tokens, ~{st['exchange']} "
+                  f"tokens an exchange, the longest prompt {st['longest']:,} (`-c {st['ctx']}`).", "",
+                  table(HEADERS, rows), ""]
+        by = {s["setup"]: s for s in summaries}
+        if {"ram0", "ram", "lpcache"} <= set(by):
+            mine = by["lpcache"]
+            lines += [f"lpcache computed {mine['computed_over_ideal']:.2f}x the ideal, llama-server alone "
+                      f"{by['ram0']['computed_over_ideal']:.2f}x (`--cache-ram 0`) and "
+                      f"{by['ram']['computed_over_ideal']:.2f}x (its default RAM cache); its median time to first "
+                      f"token is {by['ram0']['ttft_p50'] / mine['ttft_p50']:.1f}x and "
+                      f"{by['ram']['ttft_p50'] / mine['ttft_p50']:.1f}x lower.", ""]
+        if st["route"] == "mixed":
+            per_api = "; ".join(f"{s['label']}: {s.get('computed_responses')} + {s.get('computed_messages')} "
+                                f"tokens, {s.get('ttft_p50_responses')} s and {s.get('ttft_p50_messages')} s"
+                                for s in summaries)
+            lines += [f"By API (computed through Responses + through Messages, ttft p50 of each): {per_api}. "
+                      "lpcache keys a Responses request and a Messages request apart (their bodies differ, and "
+                      "the Responses tools gain `strict` on their way to the template), so here it computes the "
+                      "harness once per API.", ""]
+        lines += [f"Runs: {runs}.", ""]
+    if loaded:
+        lines += ["llama-server takes about 2 of the 1-minute load; more is other work on the machine, which slows "
+                  "the run it overlaps: the times vary with it, the token counts do not.", ""]
+    return "\n".join([*lines, END])

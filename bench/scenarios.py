@@ -20,6 +20,7 @@ its `scenarios` markers) and docs/bench-scenarios.png; the raw figures to bench/
 
 Run: python bench/scenarios.py [--only fits,ram0,agents] [--users 3] [--rounds 3] [--first-words 500] [--no-docs]
      [--agent-sessions 4] [--agent-steps 8] [--agent-concurrency 2] [--agent-setups ram0,ram,lpcache]
+     [--agent-routes responses,messages]
 """
 
 from __future__ import annotations
