@@ -251,9 +251,9 @@ def markdown(report: dict[str, Any], machine: str, minutes: float) -> str:
                                 f"tokens, {s.get('ttft_p50_responses')} s and {s.get('ttft_p50_messages')} s"
                                 for s in summaries)
             lines += [f"By API (computed through Responses + through Messages, ttft p50 of each): {per_api}. "
-                      "lpcache keys a Responses request and a Messages request apart (their bodies differ, and "
-                      "the Responses tools gain `strict` on their way to the template), so here it computes the "
-                      "harness once per API.", ""]
+                      "lpcache's identity of a request follows its API's own body, so it does not match a "
+                      "Responses request with a Messages one even where the server renders the same tokens: here it "
+                      "computes the harness once per API.", ""]
         lines += [f"Runs: {runs}.", ""]
     if loaded:
         lines += ["llama-server takes about 2 of the 1-minute load; more is other work on the machine, which slows "
