@@ -33,7 +33,7 @@ from .config import Settings, describe
 from .edge import HeaderLimits
 from .errors import BackendUnreachable, BadRequest, ClientGone, ClientGoneReading, ProxyError
 from .forwarded import slot_actions_refused, slot_touched
-from .guard import ApiKeys, read_body
+from .guard import ApiKeys, passed_on, read_body
 from .index import MetaIndex
 from .llama import client_session
 from .metrics import Metrics
@@ -188,8 +188,7 @@ async def forward(request: Request) -> ASGIApp:
     path = request.scope.get("raw_path") or request.url.path.encode()
     query = request.scope.get("query_string") or b""
     path_qs = path.decode("latin-1") + (f"?{query.decode('latin-1')}" if query else "")
-    headers = {k: v for k, v in request.headers.items()
-               if not (pipeline.settings.api_keys and k.lower() == "authorization")}
+    headers = passed_on(request.headers, bool(pipeline.settings.api_keys))
     slot_action = request.method == "POST" and request.url.path.startswith("/slots")
     if slot_action and not pipeline.settings.client_slot_actions:
         record.status, record.reason = 403, "slot_actions_refused"

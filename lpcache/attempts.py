@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,7 +61,8 @@ class Attempts:
     """The tries of one request. `upstream` is the open answer of the current try."""
 
     def __init__(self, crew: Crew, body: dict[str, Any], prompt: Prompt, big: bool, record: RequestRecord,
-                 client_auth: str | None, view: ChatRequest | None = None, want: Content | None = None) -> None:
+                 client_auth: Mapping[str, str] | None, view: ChatRequest | None = None,
+                 want: Content | None = None) -> None:
         self.view = view                    # when a prefilter wants the answer (`listeners`): it is kept for them
         self.listeners: Sequence[Prefilter] = ()
         self.collected: bytearray | None = bytearray() if view is not None else None

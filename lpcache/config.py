@@ -332,7 +332,8 @@ OPTIONS: tuple[Option, ...] = (
            metavar="BOOL"),
     Option("LPCACHE_API_KEYS", "--api-keys", _keys, None,
            "Client keys: a comma-separated list, or @FILE with one key per line. When set, every request but "
-           "GET /health needs Authorization: Bearer <key> (else 401).", metavar="KEYS"),
+           "GET /health needs Authorization: Bearer <key>, or X-Api-Key: <key> without an Authorization header "
+           "(else 401).", metavar="KEYS"),
     Option("MAX_BODY_BYTES", "--max-body-bytes", _int(1), "16777216",
            "Largest request body accepted, in bytes (413 above it). 16 MiB: a 128k-token prompt's text weighs about "
            "0.4 MB as JSON; the rest leaves room for about 20 images of 600 KB sent as data URLs.", metavar="BYTES"),

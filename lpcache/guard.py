@@ -12,6 +12,7 @@ import hashlib
 import hmac
 from collections.abc import Mapping, Sequence
 
+from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -27,7 +28,28 @@ def bearer_token(authorization: str) -> str | None:
     return token.strip() if scheme.lower() == "bearer" else None
 
 
-_SECRET_HEADERS = frozenset({"authorization", "proxy-authorization"})
+# Where a client's key is, in the order llama-server reads them: Authorization, else X-Api-Key (Anthropic's clients).
+CREDENTIAL_HEADERS = ("authorization", "x-api-key")
+_SECRET_HEADERS = frozenset({*CREDENTIAL_HEADERS, "proxy-authorization"})
+
+
+def credential(headers: Mapping[str, str]) -> tuple[str, str] | None:
+    """The client's credential header, (name, value), as llama-server picks it: Authorization, else X-Api-Key;
+    None without either. `headers` reads names case-insensitively and gives a repeated header's first value."""
+    for name in CREDENTIAL_HEADERS:
+        value = headers.get(name)
+        if value:
+            return name, value
+    return None
+
+
+def presented_key(found: tuple[str, str] | None) -> str | None:
+    """The key a credential shows: `Authorization: Bearer <key>`, or an X-Api-Key's value."""
+    if found is None:
+        return None
+    name, value = found
+    key = bearer_token(value) if name == "authorization" else value.strip()
+    return key or None
 
 
 def digest(secret: str) -> str:
@@ -35,14 +57,30 @@ def digest(secret: str) -> str:
     return hashlib.sha256(b"lpcache-client\x00" + secret.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
-def client_identity(authorization: str | None, keys_held: bool) -> str | None:
+def client_identity(headers: Mapping[str, str], keys_held: bool) -> str | None:
     """Who asks, as a digest: with client keys (`keys_held`), of the lpcache key the client showed; without, of the
-    Authorization header as it goes on to llama-server (None without one). Two requests share an answer only when
+    credential header as it goes on to llama-server (None without one). Two requests share an answer only when
     their identities are equal, so a request never gets an answer it would not have got alone."""
-    if not authorization:
+    found = credential(headers)
+    if keys_held:
+        key = presented_key(found)
+        return digest(key) if key is not None else None
+    if found is None:
         return None
-    token = bearer_token(authorization) if keys_held else authorization
-    return digest(token) if token is not None else None
+    name, value = found
+    return digest(value if name == "authorization" else f"{name}:{value}")
+
+
+def passed_on(headers: Mapping[str, str], keys_held: bool) -> dict[str, str]:
+    """The client's headers as they go on to llama-server: with client keys the credential is lpcache's own and
+    stays here; without, it goes on as it came (llama-server checks it against its own --api-key)."""
+    return {k: v for k, v in headers.items() if not (keys_held and k.lower() in CREDENTIAL_HEADERS)}
+
+
+def client_credential(headers: Mapping[str, str], keys_held: bool) -> dict[str, str]:
+    """The credential header that goes on to llama-server with a generation request: none with client keys."""
+    found = None if keys_held else credential(headers)
+    return {} if found is None else {found[0]: found[1]}
 
 
 def shown_headers(headers: Mapping[str, str]) -> dict[str, str]:
@@ -63,7 +101,8 @@ async def send_error(send: Send, err: ProxyError, extra: Sequence[tuple[bytes, b
 
 
 class ApiKeys:
-    """401 for a request without `Authorization: Bearer <key>` of a configured key (GET /health excepted)."""
+    """401 for a request without a configured key, shown as `Authorization: Bearer <key>` or, without an
+    Authorization header, as `X-Api-Key: <key>` (Anthropic's clients); GET /health excepted."""
 
     def __init__(self, app: ASGIApp, keys: Sequence[str]) -> None:
         if not keys:
@@ -72,25 +111,20 @@ class ApiKeys:
         self.keys = [k.encode() for k in keys]
 
     def allowed(self, scope: Scope) -> bool:
-        """The first Authorization header decides: the one the rest of lpcache reads (`client_identity`: whose
-        session, whose coalesced call), so no request passes with a key that is not its identity."""
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                token = bearer_token(value.decode("latin-1"))
-                # compare with every key, so the time taken does not tell which one nearly matched
-                return token is not None and any([hmac.compare_digest(token.encode("latin-1"), k)
-                                                  for k in self.keys])
-        return False
+        """The first credential header decides, as the rest of lpcache reads it (`client_identity`: whose session,
+        whose coalesced call), so no request passes with a key that is not its identity."""
+        key = presented_key(credential(Headers(scope=scope)))
+        # compare with every key, so the time taken does not tell which one nearly matched
+        return key is not None and any([hmac.compare_digest(key.encode("latin-1", "replace"), k) for k in self.keys])
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self.allowed(scope):
             await self.app(scope, receive, send)
             return
-        err = ProxyError("invalid or missing API key (Authorization: Bearer <key>)", status=401,
+        err = ProxyError("invalid or missing API key (Authorization: Bearer <key>, or X-Api-Key: <key>)", status=401,
                          type="authentication_error", code="invalid_api_key")
         api = BY_PATH.get(scope["path"])   # in the shape the route's clients read (Anthropic's on /v1/messages)
         await send_error(send, err, [(b"www-authenticate", b"Bearer")], api.error(err) if api else None)
-
 
 async def read_body(request: Request, max_bytes: int, idle_timeout: float | None = None) -> bytes:
     """The request body, or 413 as soon as it is known to pass `max_bytes`: from Content-Length before reading,

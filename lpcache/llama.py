@@ -25,6 +25,7 @@ import aiohttp
 import orjson
 
 from .errors import BackendError, BackendUnreachable, BadRequest
+from .guard import CREDENTIAL_HEADERS
 
 log = logging.getLogger("lpcache.llama")
 
@@ -177,16 +178,17 @@ class LlamaClient:
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     async def chat(self, body: dict[str, Any], slot: int | None, path: str = CHAT_PATH,
-                   client_auth: str | None = None) -> Upstream:
+                   client_auth: Mapping[str, str] | None = None) -> Upstream:
         """Send a chat request, pinned to `slot` when given. Returns the open answer (status 200): the caller reads
         it (JSON or SSE) and must release it. Another status raises BackendError with the backend's body; no answer
         (or one whose error body breaks) raises BackendUnreachable. Without LLAMA_API_KEY, the client's own
-        Authorization goes through, as it would to llama-server directly."""
+        credential (`client_auth`: its Authorization or X-Api-Key header) goes through, as it would to llama-server
+        directly."""
         params = None
         if slot is not None:
             pin(body, slot)
             params = {"id_slot": str(slot)}
-        auth = self.headers or ({"Authorization": client_auth} if client_auth else {})
+        auth = self.headers or dict(client_auth or {})
         try:
             data = orjson.dumps(body)
         except TypeError as e:  # orjson reads 1024 levels of nesting but writes only 254
@@ -279,7 +281,7 @@ class LlamaClient:
         replaces the client's)."""
         out = {k: v for k, v in headers.items() if k.lower() not in HOP_HEADERS}
         if self.headers:
-            out = {k: v for k, v in out.items() if k.lower() != "authorization"} | self.headers
+            out = {k: v for k, v in out.items() if k.lower() not in CREDENTIAL_HEADERS} | self.headers
         return await self._send(method, path_qs, data=body or None, headers=out, auto_decompress=False)
 
     async def _send(self, method: str, path: str, *, timeout: aiohttp.ClientTimeout | None = None,

@@ -28,7 +28,7 @@ from .cache_files import Limits
 from .coalesce import Coalescer, coalesce_key
 from .config import Settings
 from .errors import ClientGone, ProxyError
-from .guard import client_identity, read_body, shown_headers
+from .guard import client_credential, client_identity, passed_on, read_body, shown_headers
 from .index import MetaIndex
 from .plugins.base import Answer, ChatRequest, Prefilter, Serve, answer_wanted_by
 from .prefix import Prompt, raw_prefix
@@ -90,13 +90,12 @@ class Pipeline:
         call = await Call.read(api, raw, request.url.path, self.settings)
         body, prompt, chat = call.body, call.prompt, api.name == "chat"
         record.model, record.stream = call.model, call.stream
-        # With client keys, Authorization is lpcache's own; without, it goes on to llama-server as it came.
-        passed = {k: v for k, v in request.headers.items() if not (self.settings.api_keys and k == "authorization")}
+        passed = passed_on(request.headers, bool(self.settings.api_keys))
         router = await self.routers.unknown(call.model)
         if router is not None:   # no router serves that model: it says so itself, and nothing is made for it
             return await router_says(router, request.url.path, passed, body, record, self.notify)
         # Who asks: answers are shared (coalescing, the result cache) only within one client and one session.
-        client = client_identity(request.headers.get("authorization"), bool(self.settings.api_keys))
+        client = client_identity(request.headers, bool(self.settings.api_keys))
         session = request.headers.get("x-session-id")
         view, listeners = None, []
         if self.prefilters:
@@ -132,8 +131,7 @@ class Pipeline:
                 return FollowerRelay(group, call.stream, record, watch, self.notify)
             record.coalesced = False
             self.coalescer.lead(group, watch)
-        # With client keys, Authorization is lpcache's own; without, it goes on to llama-server as it came.
-        client_auth = None if self.settings.api_keys else request.headers.get("authorization")
+        client_auth = client_credential(request.headers, bool(self.settings.api_keys))
         attempts = Attempts(self.crew, call.send, prompt, call.big, record, client_auth,
                             view if listeners else None, want)
         attempts.listeners, attempts.group, attempts.path = listeners, group, call.upstream_path()
@@ -194,7 +192,7 @@ class Pipeline:
 
     def owner(self, request: Request) -> str | None:
         """Whose sessions a request may use and see: its client key's digest; None without client keys."""
-        return client_identity(request.headers.get("authorization"), True) if self.settings.api_keys else None
+        return client_identity(request.headers, True) if self.settings.api_keys else None
 
     # ---- plumbing ----
 

@@ -37,8 +37,9 @@ class ApiKeyMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self.keys and not _is_public(scope["path"]):
             headers = Headers(scope=scope)
-            auth = headers.get("authorization", "")
-            key = auth[len("Bearer ") :] if auth.startswith("Bearer ") else headers.get("x-api-key")
+            # as llama-server (server-http.cpp): Authorization, else X-Api-Key; a "Bearer " prefix is dropped
+            key = headers.get("authorization") or headers.get("x-api-key") or ""
+            key = key.removeprefix("Bearer ")
             if key not in self.keys:
                 await error_response(401, "Invalid API Key")(scope, receive, send)
                 return

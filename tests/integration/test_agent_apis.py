@@ -277,6 +277,30 @@ def test_lpcaches_own_refusals_on_messages_have_anthropics_shape(start_backend: 
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
 
 
+@pytest.mark.parametrize("keys_held", [True, False])
+def test_an_anthropic_clients_x_api_key_is_its_key(start_backend: Any, start_proxy: Any, keys_held: bool) -> None:
+    """Anthropic's SDKs send their key as X-Api-Key. With client keys, lpcache takes it as the client's key (and
+    keeps it); without, it goes on to llama-server, which reads it after Authorization (its --api-key)."""
+    backend = start_backend(slots=1, api_key=None if keys_held else "server-key")
+    proxy = start_proxy(backend, **({"api_keys": ("k1",)} if keys_held else {}))
+    good, bad = ("k1", "k2") if keys_held else ("server-key", "wrong")
+    body = messages_body(AgentLoop(15, words=20))
+    r = proxy.client.post("/v1/messages", json=body, headers={"X-Api-Key": good})
+    assert r.status_code == 200 and r.json()["type"] == "message", r.text
+    r = proxy.client.post("/v1/messages", json=body, headers={"X-Api-Key": bad})
+    assert r.status_code == 401
+    if keys_held:   # lpcache's refusal, in Anthropic's shape; the server never saw the request
+        assert r.json()["type"] == "error" and r.json()["error"]["type"] == "authentication_error"
+        assert mock_stats(backend)["requests_by_path"].get("/v1/chat/completions") == 1
+    # the sessions of a key shown in X-Api-Key are its own, as with Authorization: Bearer
+    if keys_held:
+        sid = "7" * 32
+        r = proxy.client.post("/v1/messages", json=body, headers={"X-Api-Key": good, "X-Session-ID": sid})
+        assert r.status_code == 200
+        listed = proxy.client.get("/lpcache/sessions", headers={"Authorization": "Bearer k1"}).json()
+        assert sid in json.dumps(listed)
+
+
 def test_coalesced_messages_followers_get_the_leaders_error(start_backend: Any, start_proxy: Any) -> None:
     backend = start_backend(slots=1, gen_ms_per_token=200.0)
     proxy = start_proxy(backend, coalesce_requests=True, slot_wait_timeout=1.0)

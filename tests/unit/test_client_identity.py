@@ -6,29 +6,46 @@ from types import SimpleNamespace
 from typing import Any
 
 from lpcache.attempts import Attempts
-from lpcache.guard import client_identity, shown_headers
+from lpcache.guard import client_credential, client_identity, passed_on, shown_headers
 from lpcache.plugins.base import MAX_ANSWER_BYTES, Answer, ChatRequest, Prefilter
 from lpcache.plugins.keyword import KeywordPrefilter
 
 
+def auth(value: str | None = None, **more: str) -> dict[str, str]:
+    return ({"authorization": value} if value is not None else {}) | {k.replace("_", "-"): v for k, v in more.items()}
+
+
 def test_identity_with_client_keys_is_a_digest_of_the_key() -> None:
-    one = client_identity("Bearer key-one", keys_held=True)
+    one = client_identity(auth("Bearer key-one"), keys_held=True)
     assert one is not None and "key-one" not in one and len(one) == 32
-    assert client_identity("bearer  key-one", keys_held=True) == one          # the same key, however written
-    assert client_identity("Bearer key-two", keys_held=True) not in (None, one)
-    assert client_identity(None, keys_held=True) is None
+    assert client_identity(auth("bearer  key-one"), keys_held=True) == one          # the same key, however written
+    assert client_identity(auth(x_api_key="key-one"), keys_held=True) == one        # Anthropic's clients: X-Api-Key
+    assert client_identity(auth("Bearer key-two"), keys_held=True) not in (None, one)
+    assert client_identity(auth(), keys_held=True) is None
+    # Authorization comes first, as llama-server reads them: a key in X-Api-Key beside it does not count
+    assert client_identity(auth("Basic eDp5", x_api_key="key-one"), keys_held=True) is None
 
 
 def test_identity_without_client_keys_is_a_digest_of_the_header_that_goes_on() -> None:
-    right, wrong = client_identity("Bearer right", False), client_identity("Bearer wrong", False)
+    right, wrong = client_identity(auth("Bearer right"), False), client_identity(auth("Bearer wrong"), False)
     assert right is not None and wrong is not None and right != wrong and "right" not in right
-    assert client_identity("Basic dTpw", False) not in (None, right)
-    assert client_identity(None, False) is None and client_identity("", False) is None
+    assert client_identity(auth("Basic dTpw"), False) not in (None, right)
+    assert client_identity(auth(x_api_key="right"), False) not in (None, right)
+    assert client_identity(auth(), False) is None and client_identity(auth(""), False) is None
+
+
+def test_the_credential_goes_on_without_client_keys_and_stays_here_with_them() -> None:
+    for headers in (auth("Bearer k"), auth(x_api_key="k"), auth("Bearer k", x_api_key="other")):
+        first = next(iter(headers.items()))
+        assert client_credential(headers, keys_held=False) == dict([first])
+        assert client_credential(headers, keys_held=True) == {}
+        assert passed_on(headers | {"x-session-id": "s"}, keys_held=True) == {"x-session-id": "s"}
+        assert passed_on(headers, keys_held=False) == headers
 
 
 def test_prefilters_see_no_credentials() -> None:
     shown = shown_headers({"authorization": "Bearer k", "Proxy-Authorization": "x", "x-session-id": "s",
-                           "cache-control": "no-cache"})
+                           "X-Api-Key": "k", "cache-control": "no-cache"})
     assert shown == {"x-session-id": "s", "cache-control": "no-cache"}
 
 
