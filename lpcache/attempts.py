@@ -78,6 +78,7 @@ class Attempts:
         self.upstream: Upstream | None = None
         self.sent = False                   # the current try's request went to the backend
         self.group: Group | None = None     # when coalescing: the followers waiting for this answer
+        self.tail: bytes | None = None      # how a broken stream ended for the client (`ended_with`)
         self.path = CHAT_PATH               # llama-server's route for the request (`apis.Call.upstream_path`)
 
     # ---- what the relay uses ----
@@ -115,6 +116,11 @@ class Attempts:
             else:
                 self.collected += chunk
 
+    def ended_with(self, tail: bytes) -> None:
+        """The stream broke after bytes went out and ended with `tail` (its error event, in the client's format):
+        streaming followers end theirs with the same bytes."""
+        self.tail = tail
+
     def streaming(self) -> None:
         """The client got the head of a 200 stream: coalesced followers that stream get the same, even if it ends
         with an error event before any whole event."""
@@ -129,7 +135,7 @@ class Attempts:
             self.group.finish(200)
         else:
             self.record.reason = self.record.reason or "coalesce_leader_failed"
-            self.group.fail(error, status)
+            self.group.fail(error, status, self.tail)
         self.p.coalescer.close(self.group)
         self.group = None
 

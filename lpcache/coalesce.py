@@ -70,6 +70,7 @@ class Group:
         self._started = False   # the leader's client got a 200 stream's head: the followers get one too
         self._status: int | None = None
         self._error: dict[str, Any] | None = None
+        self._tail: bytes | None = None
         self._body: bytes | None = None
         self._changed = asyncio.Event()  # replaced after each wake-up: waiters hold the one they waited on
 
@@ -109,13 +110,15 @@ class Group:
         self.headers = list(headers or [])
         self._wake()
 
-    def fail(self, error: dict[str, Any], status: int | None = None) -> None:
+    def fail(self, error: dict[str, Any], status: int | None = None, tail: bytes | None = None) -> None:
         """The leader failed: followers get `error` (its body, in the API's shape) with `status` (else the error's
-        own HTTP code, else 502)."""
+        own HTTP code, else 502). `tail`: how the leader's client's stream ended, after the chunks fed (its error
+        event, in the client's format): streaming followers end theirs the same way."""
         if self.done:
             return
         self._error = _envelope(error)
         self._error_status = status
+        self._tail = tail
         self._wake()
 
     async def chunks(self) -> AsyncIterator[bytes]:
@@ -178,7 +181,7 @@ class Group:
                 yield completion_to_sse(doc) if doc is not None else _sse_event(_bad(_NON_OBJECT))
                 return
         if self._error is not None or self._status != 200:
-            yield _sse_event(self._error_doc())
+            yield self._tail if self._tail is not None else _sse_event(self._error_doc())
 
     async def as_json(self) -> tuple[int, bytes]:
         """What a JSON follower sends: (HTTP status, body)."""

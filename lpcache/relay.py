@@ -99,6 +99,8 @@ class Source(Protocol):
 
     def tee(self, chunk: bytes) -> None: ...
 
+    def ended_with(self, tail: bytes) -> None: ...
+
     def streaming(self) -> None: ...
 
     def generated(self) -> None: ...
@@ -264,6 +266,7 @@ class SseRelay:
                 self.record.reason = "provider_bad_answer"
                 event = b"event: error\ndata: " + orjson.dumps({"code": 502, "message": str(e),
                                                                 "type": "backend_error"}) + b"\n\n"
+                self.source.ended_with(event)
                 self.record.bytes_out += len(event)
                 await send({"type": "http.response.body", "body": event, "more_body": False})
                 return
@@ -285,6 +288,7 @@ class SseRelay:
                     "type": "backend_unreachable", "code": 502}}) + b"\n\n"
                 if self.convert is not None:
                     event = self.convert.feed(event) + self.convert.close()
+                self.source.ended_with(event)
                 self.record.bytes_out += len(event)
                 await send({"type": "http.response.body", "body": event, "more_body": False})
                 return

@@ -331,6 +331,37 @@ def test_coalesced_messages_followers_get_the_leaders_error(start_backend: Any, 
     assert all(a.json()["type"] == "error" and a.json()["error"]["type"] == "unavailable_error" for a in answers)
 
 
+def test_coalesced_messages_streams_that_break_end_alike(start_backend: Any, start_proxy: Any) -> None:
+    """A shared Messages stream that the backend cuts halfway: the followers get the very bytes the leader's client
+    got, Anthropic's `event: error` at the end included (not an OpenAI error chunk)."""
+    backend = start_backend(slots=1, gen_ms_per_token=30.0)
+    proxy = start_proxy(backend, coalesce_requests=True)
+    httpx.post(f"{backend.url}/mock/faults", json={"stream_break_after": 4, "stream_break_count": 1})
+    body = messages_body(AgentLoop(16, words=60)) | {"stream": True, "max_tokens": 20}
+    bodies: list[bytes] = []
+    lock = threading.Lock()
+
+    def send() -> None:
+        with httpx.stream("POST", proxy.url + "/v1/messages", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            raw = r.read()
+        with lock:
+            bodies.append(raw)
+
+    threads = [threading.Thread(target=send) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    proxy.wait_finished(3)
+    assert sum(1 for r in proxy.records if r.coalesced) == 2, "the three did not share one call"
+    assert len(set(bodies)) == 1
+    last = bodies[0].rstrip(b"\n").rsplit(b"\n\n", 1)[-1]
+    assert last.startswith(b"event: error\ndata: ")   # as llama-server's own /v1/messages ends a broken stream
+    assert json.loads(last.split(b"data: ", 1)[1])["type"] == "backend_unreachable"
+    assert b'"choices"' not in bodies[0] and b"event: content_block_delta" in bodies[0]
+
+
 @pytest.mark.parametrize(("api", "servers", "learnt"), [("responses", 1, False), ("messages", 1, False),
                                                       ("messages", 1, True), ("messages", 2, False)])
 def test_a_session_starting_beside_another_on_one_server_waits_for_its_harness(start_backend: Any,
