@@ -6,11 +6,13 @@ import math
 import os
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -100,3 +102,16 @@ def replace_section(doc: Path, start: str, end: str, section: str) -> None:
     else:
         text = text.rstrip("\n") + "\n\n" + section + "\n"
     doc.write_text(text)
+
+
+class _Stoppable(Protocol):
+    def stop(self) -> None: ...
+
+
+def stop_run(work: Path, *started: _Stoppable | None) -> None:
+    """The end of a benchmark run, however it ended: what it started stopped in order (lpcache before its
+    llama-server), then its scratch folder removed."""
+    for process in started:
+        if process is not None:
+            process.stop()
+    shutil.rmtree(work, ignore_errors=True)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import tempfile
 import time
@@ -37,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _common import table
+from _common import stop_run, table
 from agents_replay import prompt_tokens, rows_json, run_sessions, summarise
 from aiperf_scenario import computed_tokens, lpcache_counts
 
@@ -120,11 +119,7 @@ def one_run(setup: Setup, load: Sequence[Session], tokens: dict[tuple[int, int],
             say(f"  errors: {summary['error_messages']}")
         return {"summary": summary, "rows": rows_json(rows)}
     finally:
-        if proxy is not None:
-            proxy.stop()
-        if server is not None:
-            server.stop()
-        shutil.rmtree(work, ignore_errors=True)
+        stop_run(work, proxy, server)
 
 
 def _commit() -> str:

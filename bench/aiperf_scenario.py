@@ -34,7 +34,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -45,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import llama_machine_text, replace_section, table  # noqa: E402
+from _common import llama_machine_text, replace_section, stop_run, table  # noqa: E402
 from replay import metric  # noqa: E402
 
 from lpcache.testing import REPO, LlamaServer, LpcacheProcess, llama_paths, script_paths  # noqa: E402
@@ -218,11 +217,7 @@ def one_run(setup: str, think_ms: int, args: argparse.Namespace, aiperf: str, to
                                           if result["prompt_tokens"] else None)
         return result
     finally:
-        if proxy is not None:
-            proxy.stop()
-        if server is not None:
-            server.stop()
-        shutil.rmtree(work, ignore_errors=True)
+        stop_run(work, proxy, server)
 
 
 def start_lpcache(settings: dict[str, str], say: Callable[[str], None], tries: int = 3) -> LpcacheProcess:

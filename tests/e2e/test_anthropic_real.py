@@ -27,6 +27,8 @@ from lpcache.apis.anthropic import MessagesStream, answer, chat_request
 from lpcache.apis.llama_json import dumps
 from lpcache.testing import LlamaServer
 
+from ..anthropic_events import events
+
 pytestmark = pytest.mark.e2e
 
 TOOLS_TEMPLATE = r"""{{ bos_token + '<|start_header_id|>system<|end_header_id|>\n\nRespond in this format:\n>>>${recipient}\n${content}\nAvailable functions:\n' }}
@@ -192,14 +194,6 @@ def through_chat(server: LlamaServer, body: dict[str, Any], fresh: bool = True) 
         for piece in r.iter_raw():
             out += converter.feed(piece)
     return r.status_code, bytes(out + converter.close())
-
-
-def events(raw: bytes) -> list[tuple[str, Any]]:
-    out = []
-    for block in raw.split(b"\n\n")[:-1]:
-        name, data = block.split(b"\n")
-        out.append((name.removeprefix(b"event: ").decode(), orjson.loads(data.removeprefix(b"data: "))))
-    return out
 
 
 def without_ids(value: Any) -> Any:

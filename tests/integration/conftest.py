@@ -27,6 +27,24 @@ def slot_dir(tmp_path: Any) -> str:
     return path
 
 
+MakeMock = Callable[..., MockHandle]
+
+
+@pytest.fixture
+def make_mock(tmp_path: Any) -> Iterator[MakeMock]:
+    """Stand-ins started by the test (model "test-model", slot files under tmp_path), each stopped at its end."""
+    handles: list[MockHandle] = []
+
+    def make(**overrides: Any) -> MockHandle:
+        handle = start_mock(MockConfig(**{"model": "test-model", "slot_save_path": str(tmp_path), **overrides}))
+        handles.append(handle)
+        return handle
+
+    yield make
+    for handle in handles:
+        handle.stop()
+
+
 @pytest.fixture
 def start_backend(slot_dir: str) -> Iterator[Callable[..., MockHandle]]:
     started: list[MockHandle] = []

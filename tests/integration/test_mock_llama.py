@@ -7,7 +7,7 @@ first SSE chunk, ``/mock/wait-idle``), never on sleeps.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -16,34 +16,18 @@ import orjson
 import pytest
 
 from lpcache import chats
-from lpcache.mock_llama import MockConfig, MockHandle, create_app, start_mock
+from lpcache.mock_llama import MockConfig, MockHandle, create_app
 from lpcache.mock_llama.__main__ import build_parser, config_from
 from lpcache.mock_llama.faults import Faults
 from lpcache.mock_llama.slotfile import SlotFileError, decode, encode, is_valid_filename
 from lpcache.mock_llama.slots import Slot, choose_slot, wrap_slot_id
 from lpcache.mock_llama.tokens import lcp, render_chat, reply_stream, tokenize
 
+from .conftest import MakeMock
+
 CHAT = "/v1/chat/completions"
 USER = [{"role": "user", "content": "Tell me about the cache, please."}]
 
-MakeMock = Callable[..., MockHandle]
-
-
-@pytest.fixture
-def make_mock(tmp_path: Path) -> Iterator[MakeMock]:
-    """Start stand-ins with a slot save path under tmp_path; all stop at teardown."""
-    handles: list[MockHandle] = []
-
-    def make(**overrides: Any) -> MockHandle:
-        settings: dict[str, Any] = {"model": "test-model", "slot_save_path": str(tmp_path)}
-        settings.update(overrides)
-        handle = start_mock(MockConfig(**settings))
-        handles.append(handle)
-        return handle
-
-    yield make
-    for handle in handles:
-        handle.stop()
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ rest. tests/e2e/test_mock_routes_real.py checks the same shapes against llama-se
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +15,10 @@ import httpx
 import orjson
 import pytest
 
-from lpcache.mock_llama import MockConfig, MockHandle, start_mock
 from lpcache.mock_llama.agent_routes import FIM_MID, FIM_PRE, FIM_REP, FIM_SEP, FIM_SUF, NO_FIM
 from lpcache.mock_llama.tokens import render_chat, tokenize
 
-MakeMock = Callable[..., MockHandle]
+from .conftest import MakeMock
 
 SYSTEM = "You answer questions about caches."
 QUESTION = "Why does a shared prefix make the second request cheaper?"
@@ -32,20 +31,6 @@ ANTHROPIC_EVENTS = [
     "message_start", "content_block_start", "content_block_delta", "content_block_delta", "content_block_delta",
     "content_block_stop", "message_delta", "message_stop",
 ]
-
-
-@pytest.fixture
-def make_mock() -> Iterator[MakeMock]:
-    handles: list[MockHandle] = []
-
-    def make(**overrides: Any) -> MockHandle:
-        handle = start_mock(MockConfig(**{"model": "test-model", **overrides}))
-        handles.append(handle)
-        return handle
-
-    yield make
-    for handle in handles:
-        handle.stop()
 
 
 @pytest.fixture

@@ -20,6 +20,8 @@ from lpcache.apis.anthropic import MessagesStream, answer, chat_request, to_chat
 from lpcache.apis.llama_json import dumps
 from lpcache.errors import BadRequest
 
+from ..anthropic_events import events
+
 RECORDED: dict[str, dict[str, Any]] = json.loads((Path(__file__).parent / "anthropic_recorded.json").read_text())
 STREAMS = sorted(k for k, v in RECORDED.items() if v["body"]["stream"])
 ANSWERS = sorted(k for k, v in RECORDED.items() if not v["body"]["stream"] and v["status"] == 200)
@@ -321,14 +323,6 @@ def chunk(delta: dict[str, Any], n: int | None = None, finish: str | None = None
     if n is not None:
         obj["timings"] = {"cache_n": 20, "prompt_n": 5, "prompt_ms": 1.5, "predicted_n": n, "predicted_ms": 2.0}
     return sse(obj)
-
-
-def events(raw: bytes) -> list[tuple[str, Any]]:
-    out = []
-    for block in raw.split(b"\n\n")[:-1]:
-        name, data = block.split(b"\n")
-        out.append((name.removeprefix(b"event: ").decode(), orjson.loads(data.removeprefix(b"data: "))))
-    return out
 
 
 def starts_and_deltas(raw: bytes) -> list[tuple[str, int, str]]:
