@@ -1,13 +1,14 @@
 # The two commands a new machine needs: `make demo` and `make test`. Both do all the set-up first:
 # a virtualenv in .venv with lpcache and its test tools, then llama-server (build 11434), SmolLM2-135M and
 # Gemma 3 270M, built and cached once under ~/.cache/lpcache (outside the checkout) by scripts/get-llama-server.sh;
-# `make test` also makes LiteLLM's proxy virtualenv there (scripts/get-litellm.sh) for the hook's end-to-end test.
+# `make test` also makes LiteLLM's proxy virtualenv there (scripts/get-litellm.sh) for the hook's end-to-end test,
+# and installs Debian's chromium (the dashboard's browser test) and redis-server (the scale-out tests) when missing.
 
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup browser litellm aiperf demo test test-fast lint bench bench-micro
+.PHONY: setup browser redis litellm aiperf demo test test-fast lint bench bench-micro
 
 $(BIN)/lpcache: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +25,9 @@ litellm:
 browser:
 	bash scripts/get-browser.sh
 
+redis:
+	bash scripts/get-redis.sh
+
 aiperf:
 	bash scripts/get-aiperf.sh
 
@@ -34,7 +38,7 @@ lint: $(BIN)/lpcache
 	$(BIN)/ruff check lpcache tests bench
 	$(BIN)/mypy
 
-test: setup browser litellm lint
+test: setup browser redis litellm lint
 	$(BIN)/python -m pytest -q
 
 test-fast: $(BIN)/lpcache

@@ -3,6 +3,7 @@
 - `ServerThread` serves any ASGI app (lpcache, the stand-in) with uvicorn in a thread of its own.
 - `LlamaServer` starts a real llama-server process (build and model from `scripts/get-llama-server.sh`).
 - `LpcacheProcess` starts lpcache as a user would, `python -m lpcache`, with settings in its environment.
+- `RedisServer` starts a real redis-server on a free port (the scale-out tests).
 Readiness is awaited by polling a health URL with a deadline, never by sleeping a fixed time.
 """
 
@@ -137,10 +138,13 @@ class _Process:
             self.process = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT,
                                             env=dict(env) if env is not None else None)
         try:
-            wait_healthy(self.url + self.health_path, timeout, self.process, self.name)
+            self._wait_ready(timeout)
         except BaseException:
             self.stop()
             raise RuntimeError(f"{self.name} failed to start; its log:\n{self.log_tail()}") from None
+
+    def _wait_ready(self, timeout: float) -> None:
+        wait_healthy(self.url + self.health_path, timeout, self.process, self.name)
 
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -212,6 +216,57 @@ class LpcacheProcess(_Process):
         env = {k: v for k, v in os.environ.items() if k not in ("BACKENDS", "LLAMA_URL", "META_DIR")}
         env.update({"HOST": "127.0.0.1", "PORT": str(self.port), **settings})
         self._start([sys.executable, "-m", "lpcache"], env, timeout)
+
+
+class RedisServer(_Process):
+    """A real redis-server (Debian's package; `.ci/run` installs it) on a free loopback port, with its data in a
+    folder of its own, for the scale-out tests. `restart()` starts it again on the same port: with `persist`, from
+    what it saved at shutdown (a Redis restart); without, empty (a Redis that lost its data)."""
+
+    name = "redis-server"
+
+    def __init__(self, *, persist: bool = False, timeout: float = 30.0) -> None:
+        super().__init__()
+        binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+        if not os.path.exists(binary):
+            raise RuntimeError("redis-server is not installed: apt-get install redis-server (Debian's package)")
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.folder = tempfile.mkdtemp(prefix="redis-")
+        self.argv = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.folder,
+                     "--save", "3600 1" if persist else "", "--appendonly", "no", "--protected-mode", "no"]
+        self.timeout = timeout
+        self._start(self.argv, None, timeout)
+
+    def _wait_ready(self, timeout: float) -> None:
+        """Until it answers PING (Redis speaks no HTTP); fail early if it died."""
+        deadline = time.monotonic() + timeout
+        last: object = None
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(f"redis-server exited with status {self.process.returncode} before it was ready")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=2) as conn:
+                    conn.sendall(b"PING\r\n")
+                    if conn.recv(64).startswith(b"+PONG"):
+                        return
+            except OSError as e:
+                last = e
+            time.sleep(0.05)  # polling interval of a readiness check, not synchronisation
+        raise TimeoutError(f"redis-server on port {self.port} not ready after {timeout}s ({last})")
+
+    def restart(self) -> None:
+        self.stop()
+        self._start(self.argv, None, self.timeout)
+
+    def kill(self) -> None:
+        """Gone at once, as a crash (SIGKILL): nothing saved."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def remove(self) -> None:
+        self.stop()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def scratch_dir(prefix: str) -> str:

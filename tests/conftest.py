@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import pytest
 
 from lpcache.app import create_app
 from lpcache.config import Settings
 from lpcache.edge import server_options
 from lpcache.pipeline import Pipeline
-from lpcache.testing import ServerThread
+from lpcache.testing import RedisServer, ServerThread
 
 
 class Proxy:
@@ -99,3 +101,14 @@ def figures(line: str) -> None:
         return
     with capture.global_and_fixture_disabled():
         reporter.write_line(line.strip("\n"))
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    """A real redis-server of the test's own on a free port (saved to its folder at shutdown, so `restart()` is a
+    Redis restart), removed after the test."""
+    server = RedisServer(persist=True)
+    try:
+        yield server
+    finally:
+        server.remove()
