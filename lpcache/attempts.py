@@ -122,10 +122,14 @@ class Attempts:
         self.tail = tail
 
     def streaming(self) -> None:
-        """The client got the head of a 200 stream: coalesced followers that stream get the same, even if it ends
-        with an error event before any whole event."""
+        """The client got the head of a 200 stream, sent with its first token: coalesced followers that stream get
+        the same, even if it ends with an error event before any whole event; the server's prefill of it is over,
+        so a request waiting for this slot decides again how long (`SlotPool.progressed`)."""
         if self.group is not None:
             self.group.start()
+        if self.choice is not None:
+            self.choice.slot.first_token_at = time.monotonic()
+            self.p.pool.progressed(self.choice.slot)
 
     def end_group(self, error: dict[str, Any] | None, status: int | None = None) -> None:
         """Tell the followers the answer is complete (error None) or failed, and let a new group start."""
@@ -232,7 +236,7 @@ class Attempts:
                 if self.want is None and not self.record.restored:
                     self.record.cache_hit = choice.resident > 0
                 self.sent = True
-                choice.slot.phase = "generate"
+                choice.slot.phase, choice.slot.sent_at = "generate", time.monotonic()
                 upstream = await backend.client.chat(self.body, choice.slot.id, self.path, self.client_auth)
             except BackendUnreachable:
                 raise   # `start` fails over (`_failed`)

@@ -22,12 +22,6 @@ from .errors import ClientGoneReading, ProxyError
 OPEN_PATHS = frozenset({"/health"})  # a load balancer's health check needs no key
 
 
-def bearer_token(authorization: str) -> str | None:
-    """The token of an `Authorization: Bearer <token>` header value, else None."""
-    scheme, _, token = authorization.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" else None
-
-
 # Where a client's key is, in the order llama-server reads them: Authorization, else X-Api-Key (Anthropic's clients).
 CREDENTIAL_HEADERS = ("authorization", "x-api-key")
 _SECRET_HEADERS = frozenset({*CREDENTIAL_HEADERS, "proxy-authorization"})
@@ -35,7 +29,8 @@ _SECRET_HEADERS = frozenset({*CREDENTIAL_HEADERS, "proxy-authorization"})
 
 def credential(headers: Mapping[str, str]) -> tuple[str, str] | None:
     """The client's credential header, (name, value), as llama-server picks it: Authorization, else X-Api-Key;
-    None without either. `headers` reads names case-insensitively and gives a repeated header's first value."""
+    None without either. `headers`: a request's (Starlette's `Headers`: names in any case, a repeated header's
+    first value), or a dict with lower-case names."""
     for name in CREDENTIAL_HEADERS:
         value = headers.get(name)
         if value:
@@ -44,11 +39,13 @@ def credential(headers: Mapping[str, str]) -> tuple[str, str] | None:
 
 
 def presented_key(found: tuple[str, str] | None) -> str | None:
-    """The key a credential shows: `Authorization: Bearer <key>`, or an X-Api-Key's value."""
+    """The key a credential shows, as llama-server reads it: the value, without a leading `Bearer ` (in any case,
+    in either header)."""
     if found is None:
         return None
-    name, value = found
-    key = bearer_token(value) if name == "authorization" else value.strip()
+    value = found[1].strip()
+    scheme, _, rest = value.partition(" ")
+    key = rest.strip() if scheme.lower() == "bearer" else value
     return key or None
 
 
@@ -68,13 +65,17 @@ def client_identity(headers: Mapping[str, str], keys_held: bool) -> str | None:
     if found is None:
         return None
     name, value = found
-    return digest(value if name == "authorization" else f"{name}:{value}")
+    return digest(f"{name}\x00{value}")
 
 
 def passed_on(headers: Mapping[str, str], keys_held: bool) -> dict[str, str]:
     """The client's headers as they go on to llama-server: with client keys the credential is lpcache's own and
     stays here; without, it goes on as it came (llama-server checks it against its own --api-key)."""
-    return {k: v for k, v in headers.items() if not (keys_held and k.lower() in CREDENTIAL_HEADERS)}
+    out: dict[str, str] = {}
+    for k, v in headers.items():   # a repeated header: its first value, the one lpcache and llama-server read
+        if not (keys_held and k.lower() in CREDENTIAL_HEADERS):
+            out.setdefault(k, v)
+    return out
 
 
 def client_credential(headers: Mapping[str, str], keys_held: bool) -> dict[str, str]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -36,18 +37,53 @@ from .router_models import RouterModels
 from .saving import Saver, int_or_none, slot_files_off
 from .sessions import SessionBook, route_name
 from .slots import Budget, Choice, Content, Slot, SlotPool, Want, wait_plan
-from .speeds import SpeedBook
+from .speeds import SpeedBook, Speeds
 
 log = logging.getLogger("lpcache.slot_fill")
 
-# Before any speed of a server is learnt, a request waits for a busy slot on that same server whose prompt brings it
-# at least this many tokens: a prefill of 1,024 tokens takes longer than a short answer on any hardware we know.
-BESIDE_MIN_TOKENS = 1024
 
 
 def resavable(content: Content) -> bool:
     """A prefix cache worth keeping whose prompt is known: it can be saved again under its name."""
     return content.keep and content.session is None and content.prompt is not None
+
+
+def beside_wait(slot: Slot, mine: float, blocks: int, speeds: Speeds) -> float:
+    """How long to wait for a busy slot on the one server a request could otherwise prefill on (`beside` it),
+    when the busy slot's prompt shares `blocks` identity blocks with the request's (`mine` tokens in all).
+
+    Two prefills on one server share its compute: going now finishes the request's prefill when both are done
+    (about `mine` + what the busy slot still computes, counted twice where they overlap); waiting finishes it after
+    the busy slot's prefill, its answer and save, then the request's own part. So:
+    - while the busy slot still prefills (no first token yet): wait only if what it has left to compute is less than
+      the request's tokens plus the shared ones (in tokens: no speed needed); for a stream, until its first token,
+      when the wait is decided again (`SlotPool.progressed`); for a JSON answer, only at learnt speeds;
+    - once its first token came: its prefill is over, and waiting beats prefilling only while the wait stays under
+      the prefill of the shared part (at the learnt speed, else as measured on the busy slot's own prefill).
+    """
+    now = time.monotonic()
+    held = slot.pending or slot.content
+    shared = speeds.tokens_of(blocks)
+    benefit = speeds.prefill.seconds(shared)
+    if slot.first_token_at is not None:
+        if benefit is None and slot.sent_at is not None and held is not None and held.chain:
+            took = slot.first_token_at - slot.sent_at   # its own prefill, of `computing` blocks
+            benefit = took * blocks / max(slot.computing, 1)
+        return max(0.0, slot.first_token_at + (benefit or 0.0) - now)
+    left = speeds.tokens_of(slot.computing)
+    per_token = speeds.prefill.seconds(1.0)
+    if per_token and slot.sent_at is not None:
+        left = max(0.0, left - (now - slot.sent_at) / per_token)
+    if left >= mine + shared:
+        return 0.0          # its prefill alone outlasts the request's prefill beside it
+    if slot.stream:
+        return math.inf     # wait out its prefill; decided again at its first token
+    if benefit is None or per_token is None:
+        return 0.0          # a JSON answer's progress is not seen, and no speed to judge it by
+    generate = speeds.generate.seconds(64)   # an answer of unknown length: a short one, at least
+    if generate is None or generate >= benefit:
+        return 0.0
+    return left * per_token + benefit
 
 
 class SlotFiller:
@@ -125,11 +161,8 @@ class SlotFiller:
     def budget(self, prompt: Prompt) -> Budget:
         """How long waiting for a busy slot that brings `blocks` more of the prompt may take: the prefill of those
         blocks at the learnt speed (capped by SLOT_AFFINITY_WAIT), and nothing when the slot is expected to stay
-        busy longer. `beside`: the alternative is a prefill on the busy slot's own server, which would run beside
-        the busy slot's and share the server's compute, so the busy slot's own prefill is no cost of waiting (two
-        requests sharing an agent harness arriving together: the second waits, then computes only its own part).
-        Before the speeds are known, only a slot being saved is waited for, or, `beside`, a busy slot whose prompt
-        brings at least BESIDE_MIN_TOKENS (its answer is then expected to be shorter than that prefill)."""
+        busy longer. Before the speeds are known, only a slot being saved is waited for. `beside`: see
+        `beside_wait`."""
         cap = self.settings.slot_affinity_wait
 
         def budget(slot: Slot | None, blocks: int, beside: bool) -> float:
@@ -138,22 +171,16 @@ class SlotFiller:
             backend = self.backends[slot.backend]
             speeds = self.speeds.of(backend.index, RouterModels.served(backend, prompt.model))
             benefit = speeds.prefill.seconds(speeds.tokens_of(blocks))
+            if beside and slot.phase != "save":
+                return min(cap, beside_wait(slot, speeds.tokens_of(len(prompt.exact)), blocks, speeds))
             if benefit is None:
-                if slot.phase == "save" or (beside and speeds.tokens_of(blocks) >= BESIDE_MIN_TOKENS):
-                    return cap
-                return 0.0
+                return cap if slot.phase == "save" else 0.0
             if slot.free_at is not None and slot.free_at - time.monotonic() >= benefit:
                 return 0.0
             if slot.free_at is None and slot.phase != "save":
                 generate = speeds.generate.seconds(64)   # an answer of unknown length: a short one, at least
-                if generate is None and not (beside and speeds.tokens_of(blocks) >= BESIDE_MIN_TOKENS):
+                if generate is None or generate >= benefit:
                     return 0.0
-                if generate is not None and generate >= benefit:
-                    return 0.0
-                held = slot.pending or slot.content
-                if beside and held is not None:
-                    ahead = speeds.prefill.seconds(speeds.tokens_of(len(held.chain))) or 0.0
-                    return min(cap, benefit + ahead)
             return min(cap, benefit)
 
         return budget
@@ -181,6 +208,9 @@ class SlotFiller:
         self.saver.cancel_idle_save(choice.slot)
         choice.slot.pending = want or Content(prompt.key, prompt.exact)
         choice.slot.phase, choice.slot.free_at = "prefill", None
+        brought = choice.restore.shared if choice.restore is not None else choice.resident
+        choice.slot.stream, choice.slot.sent_at, choice.slot.first_token_at = bool(record.stream), None, None
+        choice.slot.computing = max(0, len(choice.slot.pending.chain) - brought)
         record.backend, record.slot = self.backends[choice.slot.backend].url, choice.slot.id
         record.restore_skipped = choice.skipped or None
         if choice.restore is not None:

@@ -56,6 +56,12 @@ class Slot:
     model: str | None = None         # on a router: the model whose instance has this slot
     phase: str = ""                  # while busy: "prefill", "generate", "save" (for the cost of waiting)
     free_at: float | None = None     # while busy: when it is expected to be free (monotonic), when known
+    stream: bool = False             # while busy: its request streams (its first token is seen: `first_token_at`)
+    sent_at: float | None = None     # while busy: when its request went to the server (monotonic)
+    first_token_at: float | None = None   # while busy: when its answer's first token came (its prefill was over)
+    computing: int = 0               # while busy: identity blocks of its prompt the server computes (not cached)
+    awaited: int = 0                 # requests whose wait plan is this slot (one at most: `wait_plan`)
+    replans: list[Callable[[], None]] = field(default_factory=list)   # their deadlines, to decide again
 
     @property
     def name(self) -> str:
@@ -167,10 +173,14 @@ another slot; `beside`: that other slot would be on the busy slot's own server, 
 
 @dataclass(frozen=True)
 class WaitPlan:
-    """Busy slots worth waiting for (`wanted`), at most `seconds`, rather than taking an idle slot at once."""
+    """Busy slots worth waiting for (`wanted`), at most `seconds`, rather than taking an idle slot at once.
+    `target`: the one busy slot waited for, when it is one; `recheck` gives the wait left (seconds from now) when
+    that slot's request progresses (its first token: `SlotPool.progressed`)."""
 
     wanted: Callable[[Slot], bool]
     seconds: float
+    target: Slot | None = None
+    recheck: Callable[[], float] | None = None
 
 
 def wait_plan(slots: Sequence[Slot], prompt: Prompt | None, candidate: Candidate | None,
@@ -211,17 +221,19 @@ def wait_plan(slots: Sequence[Slot], prompt: Prompt | None, candidate: Candidate
             continue
         held = (slot.pending or slot.content) if slot.busy else slot.content
         shared = common_prefix(held.chain, prompt.exact) if held is not None else 0
-        if slot.busy and shared > busy_shared:
+        if slot.busy and shared > busy_shared and not slot.awaited:   # one request waits for a slot, not several
             best, busy_shared = slot, shared
         elif not slot.busy:
             idle_shared = max(idle_shared, shared)
     disk = candidate.shared if candidate is not None else 0
     least = max(1, math.ceil(RESIDENT_MIN_SHARE * len(prompt.exact)))
     if best is not None and busy_shared >= least and busy_shared > max(idle_shared, disk):
-        beside = not any(ok(s) and not s.busy and s.backend != best.backend for s in slots)
-        seconds = budget(best, busy_shared - max(idle_shared, disk), beside)
+        idle_backends = {s.backend for s in slots if ok(s) and not s.busy}
+        beside = idle_backends == {best.backend}   # going now means prefilling on that server, beside it
+        gain, target = busy_shared - max(idle_shared, disk), best
+        seconds = budget(target, gain, beside)
         if seconds > 0:
-            return WaitPlan(_only(best), seconds)
+            return WaitPlan(_only(target), seconds, target, lambda: budget(target, gain, beside))
     if candidate is not None and disk > idle_shared:
         readers = [s for s in slots if ok(s) and s.can_read(candidate)]
         if readers and all(s.busy for s in readers):
@@ -311,19 +323,31 @@ class SlotPool:
         self.slots.extend(slots)
         self.wake()
 
-    async def acquire(self, want: Want, timeout: float | None = None) -> Choice:
+    async def acquire(self, want: Want, timeout: float | None = None, plan: WaitPlan | None = None) -> Choice:
         """Take a slot (among those `want.allowed`); raise SlotsBusy (503) when none comes free within the wait
-        timeout (`timeout`, else the pool's)."""
+        timeout (`timeout`, else the pool's). With a `plan` whose target's request progresses, the timeout is
+        decided again (`plan.recheck`), never beyond the first."""
         idle = self.idle(want.allowed)
         if idle and not self._waiters:
             return self._take(want.choose(idle))
         waiter = _Waiter(want)
         self._waiters.append(waiter)
         self.wake()
+        target = plan.target if plan is not None and plan.recheck is not None else None
+        replan: Callable[[], None] | None = None
         try:
             # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancel that lands just as the slot is
             # handed over, and the cancelled caller would keep a slot it never releases.
-            async with asyncio.timeout(self.wait_timeout if timeout is None else timeout):
+            async with asyncio.timeout(self.wait_timeout if timeout is None else timeout) as deadline:
+                if target is not None and plan is not None and plan.recheck is not None:
+                    loop, recheck = asyncio.get_running_loop(), plan.recheck
+                    bound = deadline.when() or loop.time()
+
+                    def replan() -> None:
+                        deadline.reschedule(min(bound, loop.time() + max(recheck(), 0.0)))
+
+                    target.awaited += 1
+                    target.replans.append(replan)
                 return await asyncio.shield(waiter.future)
         except (TimeoutError, asyncio.CancelledError) as e:
             if waiter in self._waiters:
@@ -336,6 +360,15 @@ class SlotPool:
             if isinstance(e, TimeoutError):
                 raise SlotsBusy("all slots busy", code="all_slots_busy") from None
             raise
+        finally:
+            if target is not None and replan is not None:
+                target.awaited -= 1
+                target.replans.remove(replan)
+
+    def progressed(self, slot: Slot) -> None:
+        """The request in `slot` got its first token: the requests waiting for that slot decide how long again."""
+        for replan in list(slot.replans):
+            replan()
 
     async def take(self, want: Want, plan: WaitPlan | None, timeout: float | None = None) -> tuple[Choice, bool]:
         """The two-phase wait: when `plan` names busy slots worth waiting for, wait for one of them up to
@@ -345,7 +378,7 @@ class SlotPool:
         deadline = time.monotonic() + total   # the whole wait, both phases: SLOT_WAIT_TIMEOUT is the bound
         if plan is not None:
             try:
-                return await self.acquire(want.only(plan.wanted), min(plan.seconds, total)), True
+                return await self.acquire(want.only(plan.wanted), min(plan.seconds, total), plan), True
             except SlotsBusy:
                 pass
         return await self.acquire(want, max(deadline - time.monotonic(), 0.0)), False
@@ -358,6 +391,7 @@ class SlotPool:
         slot.busy = False
         slot.pending = None
         slot.phase, slot.free_at = "", None
+        slot.stream, slot.sent_at, slot.first_token_at, slot.computing = False, None, None, 0
         if used:
             slot.last_used = time.monotonic()
         if content is not True:

@@ -37,9 +37,9 @@ class ChatRequest:
     model: str
     stream: bool
     text: str                          # the message contents joined by newlines (roles stripped)
-    headers: Mapping[str, str]         # request headers, lower-case names, without Authorization (see client_key)
+    headers: Mapping[str, str]         # request headers, lower-case names, without credentials (see client_key)
     # Who asks, as a digest (never the key itself): of the client's lpcache key when LPCACHE_API_KEYS is set, else of
-    # the Authorization header that goes on to llama-server; None without one.
+    # the credential header (Authorization, else X-Api-Key) that goes on to llama-server; None without one.
     client_key: str | None = None
     session: str | None = None         # the X-Session-ID header, as sent
     # The API it came by: chat, responses, messages, completions or infill (`lpcache.apis`). For the others, `body`

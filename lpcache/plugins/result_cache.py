@@ -2,11 +2,11 @@
 
 An entry is `{dir}/{entry_key}.json` holding `{"created": unix_time, "completion": <chat.completion>}`. The entry
 key is the SHA-256 of the canonical JSON of what shapes the answer: the body without `stream`/`stream_options`, the
-resolved model, who asks (`client_key`: a digest of the client's lpcache key, or of the Authorization header that
-goes on to llama-server when lpcache holds no client keys) and the X-Session-ID: one client never gets another's
-answer. It is not lpcache's prefix cache key. Results are stored by `answered` after a successful backend call;
-streaming requests are neither served nor stored unless `cache_streaming` (then the aggregated completion is stored
-and hits are served to them as SSE).
+resolved model, who asks (`client_key`: a digest of the client's lpcache key, or of the credential header that
+goes on to llama-server when lpcache holds no client keys: Authorization, else X-Api-Key) and the X-Session-ID:
+one client never gets another's answer. It is not lpcache's prefix cache key. Results are stored by `answered`
+after a successful backend call; streaming requests are neither served nor stored unless `cache_streaming` (then
+the aggregated completion is stored and hits are served to them as SSE).
 
 Every `sweep_secs` the folder is swept: expired entries are deleted whether or not their request comes back, and
 past `max_entries` the oldest ones go, so the folder stays bounded however many distinct requests clients send.

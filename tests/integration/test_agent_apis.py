@@ -362,16 +362,18 @@ def test_coalesced_messages_streams_that_break_end_alike(start_backend: Any, sta
     assert b'"choices"' not in bodies[0] and b"event: content_block_delta" in bodies[0]
 
 
-@pytest.mark.parametrize(("api", "servers", "learnt"), [("responses", 1, False), ("messages", 1, False),
-                                                      ("messages", 1, True), ("messages", 2, False)])
-def test_a_session_starting_beside_another_on_one_server_waits_for_its_harness(start_backend: Any,
-                                                                                start_proxy: Any, api: str,
-                                                                                servers: int, learnt: bool) -> None:
+@pytest.mark.parametrize(("api", "servers", "learnt", "stream", "waits"), [
+    ("responses", 1, False, True, True), ("messages", 1, False, True, True), ("messages", 1, True, False, True),
+    ("messages", 1, False, False, False), ("messages", 2, False, True, False)])
+def test_a_session_starting_beside_another_on_one_server_waits_for_its_harness(
+        start_backend: Any, start_proxy: Any, api: str, servers: int, learnt: bool, stream: bool,
+        waits: bool) -> None:
     """Two agent sessions of one harness (system prompt and tool schemas) start together. On one server (-np 2) the
     second waits for the first's slot and computes only its own task: a prefill beside the first would share that
-    server's compute and compute the harness twice. With an idle slot on another server it goes there at once.
-    In a fresh lpcache (nothing learnt) the harness's size decides; once the server's speeds are learnt (`learnt`),
-    the cost: the prefill the wait spares against a short answer and a save."""
+    server's compute and compute the harness twice. A streamed first request is waited out to its first token,
+    then for as long as the harness's prefill (measured on it) would take; a JSON one only at learnt speeds
+    (`learnt`: a request before them taught lpcache the server's speeds). With an idle slot on another server the
+    second goes there at once."""
     speed = {"prefill_ms_per_token": 1.0, "gen_ms_per_token": 1.0}
     backends = ([start_backend(slots=2, **speed)] if servers == 1 else
                 [start_backend(slots=1, **speed) for _ in range(2)])
@@ -387,7 +389,8 @@ def test_a_session_starting_beside_another_on_one_server_waits_for_its_harness(s
     answers: list[httpx.Response] = []
 
     def send(session: agents.Session) -> None:
-        answers.append(proxy.client.post(agents.API_PATHS[api], json=session.body(0, max_tokens=4), timeout=60))
+        answers.append(proxy.client.post(agents.API_PATHS[api], json=session.body(0, max_tokens=4, stream=stream),
+                                         timeout=60))
 
     known = sum(mock_stats(b)["chat_requests"] for b in backends)
     leader = threading.Thread(target=send, args=(first,))
@@ -401,8 +404,9 @@ def test_a_session_starting_beside_another_on_one_server_waits_for_its_harness(s
     assert [r.status_code for r in answers] == [200, 200], [r.text for r in answers]
     a, b = proxy.records
     assert a.cache_n == 0 and a.prompt_n and a.prompt_n > 2000 and not b.restored
-    if servers == 1:
+    if waits:
         assert (b.backend, b.slot) == (a.backend, a.slot)
         assert b.cache_n and b.cache_n > 2000 and b.prompt_n and b.prompt_n < a.prompt_n - 2000
     else:
-        assert b.backend != a.backend and b.cache_n == 0
+        assert (b.backend, b.slot) != (a.backend, a.slot) and b.cache_n == 0
+        assert (b.backend != a.backend) is (servers == 2)

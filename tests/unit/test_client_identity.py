@@ -11,6 +11,17 @@ from lpcache.plugins.base import MAX_ANSWER_BYTES, Answer, ChatRequest, Prefilte
 from lpcache.plugins.keyword import KeywordPrefilter
 
 
+class MultiHeaders(dict[str, str]):
+    """Headers as Starlette gives them: `items()` has every line, a repeated name more than once."""
+
+    def __init__(self, lines: list[tuple[str, str]]) -> None:
+        super().__init__(lines[:1])
+        self.lines = lines
+
+    def items(self) -> Any:
+        return list(self.lines)
+
+
 def auth(value: str | None = None, **more: str) -> dict[str, str]:
     return ({"authorization": value} if value is not None else {}) | {k.replace("_", "-"): v for k, v in more.items()}
 
@@ -22,8 +33,12 @@ def test_identity_with_client_keys_is_a_digest_of_the_key() -> None:
     assert client_identity(auth(x_api_key="key-one"), keys_held=True) == one        # Anthropic's clients: X-Api-Key
     assert client_identity(auth("Bearer key-two"), keys_held=True) not in (None, one)
     assert client_identity(auth(), keys_held=True) is None
-    # Authorization comes first, as llama-server reads them: a key in X-Api-Key beside it does not count
-    assert client_identity(auth("Basic eDp5", x_api_key="key-one"), keys_held=True) is None
+    # as llama-server reads them: a key in X-Api-Key beside an Authorization does not count; a bare key, or
+    # "Bearer <key>" in X-Api-Key, does
+    assert client_identity(auth("Basic eDp5", x_api_key="key-one"), keys_held=True) not in (None, one)
+    assert client_identity(auth("key-one"), keys_held=True) == one
+    assert client_identity(auth(x_api_key="Bearer key-one"), keys_held=True) == one
+    assert client_identity(auth("Bearer "), keys_held=True) is None
 
 
 def test_identity_without_client_keys_is_a_digest_of_the_header_that_goes_on() -> None:
@@ -41,6 +56,9 @@ def test_the_credential_goes_on_without_client_keys_and_stays_here_with_them() -
         assert client_credential(headers, keys_held=True) == {}
         assert passed_on(headers | {"x-session-id": "s"}, keys_held=True) == {"x-session-id": "s"}
         assert passed_on(headers, keys_held=False) == headers
+    # a repeated header goes on with its first value, the one lpcache and llama-server read
+    assert passed_on(MultiHeaders([("authorization", "Bearer a"), ("authorization", "Bearer b")]), False) == {
+        "authorization": "Bearer a"}
 
 
 def test_prefilters_see_no_credentials() -> None:

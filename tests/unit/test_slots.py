@@ -458,6 +458,37 @@ def test_wait_plan_says_when_the_alternative_prefills_beside_the_busy_slot() -> 
     # the request may not use the other server (a model it does not serve): beside again
     assert wait_plan([busy, same, other], mine, None, lambda s: s.backend == 0, None, frozenset(), budget)
     assert asked == [True, False, True]
+    # no slot idle at all: nothing to prefill on now, so nothing beside (it waits in line for any slot)
+    same.busy = other.busy = True
+    assert wait_plan([busy, same, other], mine, None, None, None, frozenset(), budget) is not None
+    assert asked == [True, False, True, False]
+    # a busy slot another request already waits for is not planned on again (only one of them would get it)
+    same.busy = other.busy = False
+    busy.awaited = 1
+    assert wait_plan([busy, same], mine, None, None, None, frozenset(), budget) is None
+
+
+async def test_a_planned_wait_is_decided_again_when_its_slots_request_progresses() -> None:
+    """The waiter's deadline follows `recheck` when the target's request gets its first token, never beyond the
+    first deadline; the target counts its waiter while it waits."""
+    s0, s1 = slot(0, 0), slot(0, 1)
+    pool = SlotPool([s0, s1])
+    first = await pool.acquire(Want(allowed=lambda s: s is s0))
+    left = [30.0]
+    plan = WaitPlan(lambda s: s is s0, 30.0, s0, lambda: left[0])
+    task = asyncio.create_task(pool.take(Want(), plan))
+    for _ in range(100):             # let it run to its wait (it queues before its first real suspension)
+        if s0.replans:
+            break
+        await asyncio.sleep(0)
+    assert s0.awaited == 1 and not task.done()
+    left[0] = 0.0                    # the first token came: the wait no longer pays
+    pool.progressed(s0)
+    choice, planned = await task
+    assert choice.slot is s1 and not planned and s0.awaited == 0 and s0.replans == []
+    pool.release(choice.slot)
+    pool.release(first.slot)
+    assert not any(s.busy for s in pool.slots)
 
 
 def test_wait_plan_for_the_only_slots_that_can_read_the_saved_cache() -> None:
