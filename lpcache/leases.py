@@ -12,6 +12,7 @@ it stops writing before Redis could grant the slot to anyone else.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -92,6 +93,7 @@ class Lease:
     ttl_ms: int
     expires: float
     lost: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    released: bool = False   # set by `release`: no renewal may extend it afterwards
 
     @property
     def value(self) -> str:
@@ -114,17 +116,23 @@ class Leases:
         self._holder = redis.register_script(_HOLDER)
         kwargs = redis.connection_pool.connection_kwargs
         self._where = f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
+        self._releasing: set[asyncio.Task[bool]] = set()
 
     async def _run(self, what: str, script: Any, name: str, *args: Any, counter: bool = False) -> Any:
         if name == "token" or not name:
             raise ValueError(f"{name!r} is not a slot name (`<backend url>#<slot id>`)")
         keys = [PREFIX + name, COUNTER] if counter else [PREFIX + name]
+        task = asyncio.current_task()
+        cancels = task.cancelling() if task else 0
         try:
             async with asyncio.timeout(self.timeout):
-                return await script(keys=keys, args=args)
+                result = await script(keys=keys, args=args)
         except (RedisError, OSError) as e:   # OSError: TimeoutError from asyncio.timeout, and socket errors
             raise SharedStoreDown(f"Redis at {self._where} did not answer a lease {what} on {name!r} within "
                                   f"{self.timeout:g}s: {e!r}") from e
+        if task is not None and task.cancelling() > cancels:
+            raise asyncio.CancelledError()   # redis-py's asyncio.wait_for swallows a cancel on Python 3.11
+        return result
 
     async def acquire(self, name: str, holder: Holder, ttl_ms: int) -> Lease | None:
         """The lease on `name` for `ttl_ms`, or None while someone else's is live."""
@@ -135,18 +143,20 @@ class Leases:
         return Lease(name, holder, int(token), ttl_ms, sent + ttl_ms / 1000 - drift(ttl_ms))
 
     async def renew(self, lease: Lease, ttl_ms: int | None = None) -> bool:
-        """Extend a lease still held with its token, from now; False when it expired or another holder has it."""
+        """Extend a lease still held with its token, from now; False when it expired, another holder has it, or
+        it was released (even while this call was on its way)."""
         ttl_ms = lease.ttl_ms if ttl_ms is None else ttl_ms
         sent = time.monotonic()
-        if not await self._run("renew", self._renew, lease.name, lease.value, ttl_ms):
+        if lease.released or not await self._run("renew", self._renew, lease.name, lease.value, ttl_ms) \
+                or lease.released:   # released while the answer was on its way
             return False
         lease.ttl_ms, lease.expires = ttl_ms, sent + ttl_ms / 1000 - drift(ttl_ms)
         return True
 
     async def release(self, lease: Lease) -> bool:
         """Give the slot up; False (and nothing deleted) when the lease is no longer this one, e.g. it expired and
-        was granted again."""
-        lease.expires = min(lease.expires, time.monotonic())   # the holder stops believing before Redis forgets
+        was granted again. The holder stops believing in it at once, before Redis forgets it."""
+        lease.released, lease.expires = True, min(lease.expires, time.monotonic())
         return bool(await self._run("release", self._release, lease.name, lease.value))
 
     async def holder(self, name: str) -> Lease | None:
@@ -162,24 +172,32 @@ class Leases:
     async def hold(self, name: str, holder: Holder, ttl_ms: int) -> AsyncIterator[Lease]:
         """Hold `name` while the block runs: acquired (or `LeaseTaken`), renewed every third of its ttl, released on
         the way out whatever ends the block. A crash stops the renewals, so the lease lapses within `ttl_ms`."""
-        lease = await self.acquire(name, holder, ttl_ms)
+        acquiring = asyncio.ensure_future(self.acquire(name, holder, ttl_ms))
+        try:
+            lease = await asyncio.shield(acquiring)
+        except asyncio.CancelledError:   # Redis may grant it all the same: give it back then, not at its ttl
+            acquiring.add_done_callback(self._give_back)
+            raise
         if lease is None:
             raise LeaseTaken(f"slot {name} is leased to another request")
-        keeper = asyncio.create_task(self._keep(lease), name=f"lease keeper {name}")
+        stop = asyncio.Event()
+        keeper = asyncio.create_task(self._keep(lease, stop), name=f"lease keeper {name}")
         try:
             yield lease
         finally:
-            keeper.cancel()
-            release = asyncio.create_task(self.release(lease))
-            release.add_done_callback(_log_failed_release)
-            await asyncio.wait([release, keeper])   # cancelling the wait (a second cancel) does not stop the release
+            stop.set()      # not keeper.cancel(): a cancel inside redis-py can be swallowed (above)
+            await asyncio.wait([self._released(lease), keeper])   # a second cancel leaves both to finish
 
-    async def _keep(self, lease: Lease) -> None:
-        """Renew until cancelled; set `lost` when Redis says the lease is gone, or when it lapsed unrenewed (Redis
+    async def _keep(self, lease: Lease, stop: asyncio.Event) -> None:
+        """Renew until stopped; set `lost` when Redis says the lease is gone, or when it lapsed unrenewed (Redis
         down), since then another replica may hold it."""
         every = lease.ttl_ms / 3000
         while True:
-            await asyncio.sleep(max(0.0, min(every, lease.expires - time.monotonic())))
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, min(every, lease.expires - time.monotonic()))):
+                    await stop.wait()
+            if stop.is_set() or lease.released:
+                return
             if time.monotonic() >= lease.expires:
                 break
             try:
@@ -187,12 +205,23 @@ class Leases:
                     break
             except SharedStoreDown as e:
                 log.warning("lease: renewal failed, retrying until the lease lapses: %s", e)
-        log.warning("lease: %s lost (token %d)", lease.name, lease.token)
-        lease.lost.set()
+        if not lease.released:
+            log.warning("lease: %s lost (token %d)", lease.name, lease.token)
+            lease.lost.set()
 
+    def _give_back(self, acquiring: asyncio.Future[Lease | None]) -> None:
+        if not acquiring.cancelled() and acquiring.exception() is None and (lease := acquiring.result()):
+            self._released(lease)
 
-def _log_failed_release(task: asyncio.Task[bool]) -> None:
-    """A release that failed is harmless (the lease lapses by its ttl) but worth a warning, and must not raise over
-    whatever ended the holder's block."""
-    if not task.cancelled() and task.exception() is not None:
-        log.warning("lease: release failed, it will lapse by itself: %s", task.exception())
+    def _released(self, lease: Lease) -> asyncio.Task[bool]:
+        """The release in a task of its own, kept until done: a failure is harmless (the lease lapses by its ttl)
+        but worth a warning, and must not raise over whatever ended the holder's block."""
+        task = asyncio.create_task(self.release(lease))
+        self._releasing.add(task)
+
+        def done(task: asyncio.Task[bool]) -> None:
+            self._releasing.discard(task)
+            if not task.cancelled() and task.exception() is not None:
+                log.warning("lease: release failed, it will lapse by itself: %s", task.exception())
+        task.add_done_callback(done)
+        return task

@@ -9,6 +9,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from redis.asyncio import Redis
@@ -231,6 +232,105 @@ async def test_the_keeper_gives_up_when_redis_is_gone_past_the_ttl(leases: Lease
         await asyncio.wait_for(lease.lost.wait(), 2.0)
         assert not lease.valid()
     # leaving the block did not raise: the release failed quietly, the lease lapses by itself
+
+
+class Racing(Leases):
+    """The holder leaves while a renewal's answer is on its way back."""
+
+    leaving: Lease
+
+    async def _run(self, what: str, script: Any, name: str, *args: Any, counter: bool = False) -> Any:
+        result = await super()._run(what, script, name, *args, counter=counter)
+        if what == "renew":
+            await self.release(self.leaving)
+        return result
+
+
+async def test_a_renewal_answered_after_the_release_does_not_extend_the_lease(redis_server: RedisServer) -> None:
+    redis = client(redis_server.url)
+    leases = Racing(redis)
+    lease = await leases.acquire(SLOT, A, 5000)
+    assert lease is not None
+    leases.leaving = lease
+    assert await leases.renew(lease, 60000) is False
+    assert lease.expires <= time.monotonic() and not lease.valid()
+    assert await leases.renew(lease) is False and await leases.holder(SLOT) is None
+    await redis.aclose()
+
+
+class Stubborn(Leases):
+    """A renewal that swallows a cancel, as redis-py's socket writes through asyncio.wait_for do on Python 3.11."""
+
+    renewals = 0
+
+    async def renew(self, lease: Lease, ttl_ms: int | None = None) -> bool:
+        self.renewals += 1
+        try:
+            await asyncio.sleep(0.02)
+        except asyncio.CancelledError:
+            pass
+        return await super().renew(lease, ttl_ms)
+
+
+async def test_leaving_the_block_stops_the_keeper_even_mid_renewal(redis_server: RedisServer) -> None:
+    redis = client(redis_server.url)
+    leases = Stubborn(redis)
+    async with leases.hold(SLOT, A, 90) as lease:
+        await until(lambda: _true(leases.renewals > 0))
+        left = time.monotonic()
+    assert time.monotonic() - left < 0.5
+    assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("lease keeper")]
+    assert lease.expires <= left + 0.001 and await leases.holder(SLOT) is None
+    await redis.aclose()
+
+
+async def test_a_cancel_swallowed_inside_redis_py_is_raised_again(leases: Leases) -> None:
+    async def swallowing(keys: list[str], args: tuple[Any, ...]) -> int:
+        try:
+            await asyncio.sleep(0.05)
+        except asyncio.CancelledError:
+            pass
+        return 1
+
+    leases._renew = swallowing
+    lease = Lease(SLOT, A, 1, 1000, time.monotonic() + 1)
+    task = asyncio.create_task(leases.renew(lease))
+    await asyncio.sleep(0)       # let it start (one loop turn)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+class SlowAnswer(Leases):
+    """Redis grants the lease, and the answer takes a while to come back."""
+
+    granted: asyncio.Event
+
+    async def _run(self, what: str, script: Any, name: str, *args: Any, counter: bool = False) -> Any:
+        result = await super()._run(what, script, name, *args, counter=counter)
+        if what == "acquire":
+            self.granted.set()
+            await asyncio.sleep(0.05)
+        return result
+
+
+async def test_a_holder_cancelled_while_acquiring_gives_the_grant_back(redis_server: RedisServer) -> None:
+    redis = client(redis_server.url)
+    leases = SlowAnswer(redis)
+    leases.granted = asyncio.Event()
+
+    async def request() -> None:
+        async with leases.hold(SLOT, A, 60000):
+            raise AssertionError("the block runs after a cancel")
+
+    task = asyncio.create_task(request())
+    await leases.granted.wait()
+    assert await leases.holder(SLOT) is not None
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await until(lambda: _is_none(leases.holder(SLOT)), timeout=1) < 1    # not after its 60 s ttl
+    await redis.aclose()
 
 
 # ---- many replicas' requests at once ----
