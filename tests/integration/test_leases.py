@@ -69,6 +69,7 @@ async def test_one_holder_at_a_time_and_only_the_holder_renews_or_releases(lease
 
 
 async def test_a_lease_lapses_after_its_holder_stopped_believing_in_it(leases: Leases) -> None:
+    start = time.monotonic()
     lease = await leases.acquire(SLOT, A, 100)
     assert lease is not None and lease.valid()
 
@@ -78,7 +79,8 @@ async def test_a_lease_lapses_after_its_holder_stopped_believing_in_it(leases: L
         assert not (missing and valid_before), "Redis forgot a lease its holder still believed valid"
         return missing
 
-    assert await until(gone) >= 0.09
+    await until(gone)
+    assert time.monotonic() - start >= 0.099    # Redis counts the ttl from when the call arrived (1 ms resolution)
     assert not lease.valid() and await leases.renew(lease) is False
 
 
@@ -115,10 +117,10 @@ async def test_a_restarted_redis_keeps_the_counter_and_the_held_leases(leases: L
                                                                        redis_server: RedisServer) -> None:
     before = await leases.acquire("http://b:8080#1", A, 1000)
     assert before is not None
-    async with leases.hold(SLOT, B, 3000) as held:
+    async with leases.hold(SLOT, B, 5000) as held:
         await asyncio.to_thread(redis_server.restart)
         renewed = held.expires
-        await until(lambda: _true(held.expires > renewed), timeout=3)   # the keeper renews it after the restart
+        await until(lambda: _true(held.expires > renewed), timeout=4)   # the keeper renews it after the restart
         assert held.valid() and not held.lost.is_set()
         assert await leases.acquire(SLOT, A, 1000) is None
     after = await leases.acquire(SLOT, A, 1000)
@@ -179,11 +181,11 @@ async def test_a_silent_redis_is_cut_off_by_the_timeout() -> None:
 
 
 async def test_hold_renews_past_the_ttl_and_releases_on_the_way_out(leases: Leases) -> None:
-    async with leases.hold(SLOT, A, 150) as lease:
+    async with leases.hold(SLOT, A, 200) as lease:
         with pytest.raises(LeaseTaken):
-            async with leases.hold(SLOT, B, 150):
+            async with leases.hold(SLOT, B, 200):
                 pass
-        end = time.monotonic() + 0.6           # work for four ttls
+        end = time.monotonic() + 0.6           # work for three ttls
         while time.monotonic() < end:
             assert lease.valid()
             await asyncio.sleep(0.02)
