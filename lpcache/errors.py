@@ -34,6 +34,11 @@ class ClientGoneReading(ClientGone):
     told yet."""
 
 
+class SharedStoreDown(LpcacheError):
+    """The shared store (Redis) did not answer in time or refused the call. One type for every such failure, with
+    the redis-py or OS error chained, so that callers decide one thing: go on with local decisions, or stop."""
+
+
 class ProxyError(LpcacheError):
     """An error answered to the client in OpenAI's shape."""
 
