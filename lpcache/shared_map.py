@@ -196,9 +196,14 @@ class SharedMap:
                 self.healthy, delay = True, self.backoff[0]
             except (RedisError, OSError, SharedStoreDown) as e:
                 self._went_down(e)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stop.wait(), delay)   # backoff, cut short by stop()
-                delay = min(delay * 2, self.backoff[1])
+            except Exception:   # a malformed entry, a bug: never let the task die; reload after the backoff
+                log.exception("shared_map_failed")
+                self.healthy, self._load_needed = False, True
+            else:
+                continue
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), delay)   # backoff, cut short by stop()
+            delay = min(delay * 2, self.backoff[1])
 
     def _went_down(self, e: BaseException) -> None:
         if not self._down:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -166,7 +167,8 @@ async def test_a_trimmed_stream_makes_a_returning_mirror_reload(replicas: Callab
 
 
 async def test_a_redis_restart_keeps_the_map_and_the_writes_that_failed_are_made_again(
-        replicas: Callable[..., Replica], redis_server: RedisServer) -> None:
+        replicas: Callable[..., Replica], redis_server: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, "lpcache.shared_map")
     a, b = replicas("a"), replicas("b")
     await a.map.start()
     await b.map.start()
@@ -187,6 +189,8 @@ async def test_a_redis_restart_keeps_the_map_and_the_writes_that_failed_are_made
     assert contents(a) == contents(b) == {"ka": b"A", "kb": b"B"}
     await a.map.put("index", "after", b"x")
     await until(lambda: b.map.get("index", "after") == b"x")
+    messages = [r.getMessage().split()[0] for r in caplog.records]
+    assert messages.count("shared_map_down") == messages.count("shared_map_back") == 2   # one each per replica
 
 
 async def test_a_redis_that_lost_its_data_is_filled_again_by_the_owners(
@@ -283,4 +287,19 @@ async def test_memory_per_entry_and_round_trips(replicas: Callable[..., Replica]
     assert len(value) < per_entry < len(value) * 1.5      # the JSON plus Redis's overhead, no copy elsewhere
     assert per_change < 200                               # the stream names changes, it does not hold values
     assert get_us < 50 and put_ms < 20                    # loose: a busy 2-core machine
+    await raw.aclose()
+
+
+async def test_a_malformed_stream_entry_costs_a_reload_not_the_follower(
+        replicas: Callable[..., Replica], redis_server: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
+    a, b = replicas("a"), replicas("b")
+    await a.map.start()
+    await b.map.start()
+    raw = aioredis.Redis.from_url(redis_server.url)
+    await raw.xadd("lpcache:changes", {"something": "else"})   # not written by a SharedMap
+    await until(lambda: b.map.reloads == 1)
+    assert "shared_map_failed" in caplog.text
+    await a.map.put("index", "k", b"v")
+    await until(lambda: b.map.get("index", "k") == b"v")
+    assert b.map.healthy and b.map.reloads == 1
     await raw.aclose()
