@@ -25,7 +25,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from .errors import LpcacheError
+from .errors import SharedStoreDown
 
 log = logging.getLogger("lpcache.shared_map")
 
@@ -59,10 +59,6 @@ for i = 5 + 2 * n, #ARGV do
 end
 return out
 """
-
-
-class SharedStoreDown(LpcacheError):
-    """Redis is unreachable (or did not answer in time): the write was not made, and the mirror is unchanged."""
 
 
 def connect(url: str, timeout: float = 0.5) -> aioredis.Redis:
