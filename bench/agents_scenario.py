@@ -146,14 +146,20 @@ def measure(load: Sequence[Session]) -> tuple[dict[tuple[int, int], list[int]], 
 
 
 def run(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str, Any]:
-    """Each route's run; the figures of setups not chosen from the last results file."""
+    """Each chosen route's run; the figures of the setups and routes not chosen from the last results file."""
     routes = args.agent_routes.split(",")
     unknown = set(routes) - set(ROUTES)
     if unknown:
         raise SystemExit(f"unknown agent routes {sorted(unknown)}; choose among {sorted(ROUTES)}")
     old = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
     before = {part.get("settings", {}).get("route"): part for part in old.get("routes", [])}
-    return {"routes": [run_route(route, args, say, before.get(route)) for route in routes]}
+    parts = []
+    for route in ROUTES:   # the routes not run keep their last figures
+        if route in routes:
+            parts.append(run_route(route, args, say, before.get(route)))
+        elif route in before:
+            parts.append(before[route])
+    return {"routes": parts}
 
 
 def run_route(route: str, args: argparse.Namespace, say: Callable[[str], None],
