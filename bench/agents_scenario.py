@@ -5,8 +5,7 @@ schemas), each a task and S tool exchanges (default 8), so S + 1 requests, `conc
 2), the sessions taking turns (bench/agents_replay.py). It runs once per route (`--agent-routes`): all sessions
 through `POST /v1/responses` (Codex-style), then all through `POST /v1/messages` (Claude-Code-style), as one agent
 program speaks one API; `mixed` sends the even sessions through Responses and the odd ones through Messages (one
-harness reaching the server through both APIs: lpcache's identity of a Responses request is not a Messages
-request's, so there it shares the harness within each API only). One llama-server (build 11434, SmolLM2-135M,
+harness reaching the server through both APIs). One llama-server (build 11434, SmolLM2-135M,
 `-np 2`, a context that holds the longest prompt in each slot, `--slot-save-path`, `--metrics`), fresh for every
 run:
 
@@ -252,9 +251,9 @@ def markdown(report: dict[str, Any], machine: str, minutes: float) -> str:
                                 f"tokens, {s.get('ttft_p50_responses')} s and {s.get('ttft_p50_messages')} s"
                                 for s in summaries)
             lines += [f"By API (computed through Responses + through Messages, ttft p50 of each): {per_api}. "
-                      "lpcache's identity of a request follows its API's own body, so it does not match a "
-                      "Responses request with a Messages one even where the server renders the same tokens: here it "
-                      "computes the harness once per API.", ""]
+                      "A Responses and a Messages request share their identity where the server renders the "
+                      "same prompt (both are keyed by the chat request they become), so the harness is one prefix "
+                      "across the two APIs.", ""]
         lines += [f"Runs: {runs}.", ""]
     if loaded:
         lines += ["llama-server takes about 2 of the 1-minute load; more is other work on the machine, which slows "

@@ -3,8 +3,9 @@
 Word blocks (`prefix`) are a lookup: they drop case, punctuation, roles, names, tool calls, tool results, images and
 the `tools` array, so two requests a chat template renders differently can share every word block. A restore, a
 "hit" or the verdict that a model cannot reuse restores must not rest on that. The identity is the request's
-*canonical text* (the fields that shape the rendered prompt, then every message: role, name, content parts, tool
-calls, tool call id and any other field, in order, JSON-escaped so no text can fake a boundary) cut into blocks of
+*canonical text* (the fields that shape the rendered prompt, the tools as the server hands them to the template,
+then every message: role, name, content parts, tool calls, tool call id and any other field, in order, JSON-escaped
+so no text can fake a boundary) cut into blocks of
 `BLOCK_CHARS` characters, with a chain of digests: chain[i] is the digest of the first i+1 blocks. Two requests whose
 chains agree up to i render the same first (i+1) x BLOCK_CHARS canonical characters, so a template that renders
 messages in order gives them the same tokens up to about there; what lies beyond is not claimed.
@@ -107,5 +108,27 @@ class Identity:
 
 
 def template_fields(body: Mapping[str, Any]) -> dict[str, Any]:
-    """The fields of a request body that shape its rendered prompt besides the messages."""
-    return {k: body[k] for k in TEMPLATE_FIELDS if k in body}
+    """The fields of a request body that shape its rendered prompt besides the messages. The tools as the template
+    gets them: llama-server keeps of each only its name, description and parameters
+    (`common_chat_tools_parse_oaicompat`), so tools that differ elsewhere (`strict`...) render the same."""
+    fields = {k: body[k] for k in TEMPLATE_FIELDS if k in body}
+    if "tools" in fields:
+        fields["tools"] = rendered_tools(fields["tools"])
+    return fields
+
+
+def rendered_tools(tools: Any) -> Any:
+    """`tools` as llama-server hands them to a chat template: [{type: function, function: {name, description,
+    parameters}}], description "" and parameters {} when missing. Tools it would refuse (no function type or name:
+    it answers 400) are kept as they came."""
+    if not isinstance(tools, list):
+        return tools
+    out = []
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        if not isinstance(function, dict) or "name" not in function:
+            return tools
+        out.append({"type": "function", "function": {"name": function["name"],
+                                                     "description": function.get("description", ""),
+                                                     "parameters": function.get("parameters", {})}})
+    return out

@@ -5,9 +5,12 @@ from __future__ import annotations
 import orjson
 import pytest
 
+from lpcache import agents
 from lpcache.apis import BY_PATH
 from lpcache.apis.base import Call
 from lpcache.apis.infill import PREFIX_EXACT_CHARS
+from lpcache.apis.responses import Unconvertible
+from lpcache.apis.responses import to_chat as to_responses_chat
 from lpcache.config import Settings
 from lpcache.errors import BackendError, BadRequest
 from lpcache.prefix import common_prefix
@@ -51,12 +54,67 @@ def test_a_messages_request_shares_its_cache_with_the_chat_request_it_becomes() 
     assert messages.send.get("messages") and "system" not in messages.send
 
 
-def test_other_apis_never_share_an_identity_with_chat() -> None:
+def test_a_responses_request_shares_the_identity_of_the_chat_request_it_becomes() -> None:
     text = "Tell me about the weather in Zürich, please. " * 20
-    chat = parse("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]})
-    responses = parse("/v1/responses", {"input": [{"role": "user", "content": text}]})
+    tools = [{"type": "function", "name": "lookup", "description": "Finds a city.", "strict": False,
+              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+    body = {"instructions": "Be brief.", "input": [{"role": "user", "content": text}], "tools": tools}
+    responses = parse("/v1/responses", body)
+    chat = parse("/v1/chat/completions", to_responses_chat(body))
+    assert responses.prompt is not None and chat.prompt is not None
+    assert responses.prompt.exact == chat.prompt.exact and responses.prompt.key != chat.prompt.key
+    # the server renders a tool's name, description and parameters only: `strict` or not, one prompt
+    plain = {"messages": chat.body["messages"], "tools": [{"type": "function", "function": {
+        k: v for k, v in tools[0].items() if k not in ("type", "strict")}}]}
+    assert parse("/v1/chat/completions", plain).prompt.exact == chat.prompt.exact   # type: ignore[union-attr]
     completion = parse("/v1/completions", {"prompt": text})
-    assert shared(chat, responses) == 0 and shared(chat, completion) == 0 and shared(responses, completion) == 0
+    assert shared(chat, completion) == 0 and shared(responses, completion) == 0
+
+
+def test_an_agent_harness_is_one_prefix_through_responses_and_messages() -> None:
+    """Two sessions of one harness, one through each API: the server renders the same tools and system prompt,
+    and so does the identity (all but the last few blocks, where the tasks differ, are shared)."""
+    first, second = agents.sessions(2)
+    a = parse(agents.API_PATHS[first.api], first.body(0))
+    b = parse(agents.API_PATHS[second.api], second.body(0))
+    assert a.prompt is not None and b.prompt is not None
+    assert shared(a, b) >= len(a.prompt.exact) - 5
+
+
+def test_the_responses_conversion_is_llama_servers() -> None:
+    """Input items as server-chat.cpp turns them into chat messages: a string content becomes a text part, a
+    function call joins the assistant message before it, outputs become tool messages, reasoning the assistant's
+    reasoning_content; max_output_tokens and reasoning.effort are renamed."""
+    chat = to_responses_chat({"input": [
+        {"role": "user", "content": "list the files", "type": "message"},
+        {"role": "assistant", "type": "message", "status": "completed",
+         "content": [{"type": "output_text", "text": "Looking."}]},
+        {"type": "function_call", "call_id": "c1", "name": "ls", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "pwd", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "a.py"},
+        {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "/src"}]},
+        {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "Two files."}]},
+    ], "max_output_tokens": 9, "reasoning": {"effort": "low"}, "temperature": 0})
+    assert chat["messages"] == [
+        {"role": "user", "content": [{"text": "list the files", "type": "text"}]},
+        {"role": "assistant", "content": [{"text": "Looking.", "type": "text"}], "tool_calls": [
+            {"function": {"arguments": "{}", "name": "ls"}, "id": "c1", "type": "function"},
+            {"function": {"arguments": "{}", "name": "pwd"}, "id": "c2", "type": "function"}]},
+        {"content": "a.py", "role": "tool", "tool_call_id": "c1"},
+        {"content": [{"type": "text", "text": "/src"}], "role": "tool", "tool_call_id": "c2"},
+        {"role": "assistant", "content": [], "reasoning_content": "Two files."},
+    ]
+    assert chat["max_tokens"] == 9 and chat["reasoning_effort"] == "low" and chat["temperature"] == 0
+    assert "max_output_tokens" not in chat and "reasoning" not in chat and "input" not in chat
+
+
+@pytest.mark.parametrize("given", [[{"type": "mystery"}], [{"role": "user", "content": [{"type": "input_file"}]}],
+                                   [5], {"not": "a list"}])
+def test_a_responses_body_llama_server_refuses_is_served_uncached(given: object) -> None:
+    with pytest.raises(Unconvertible):
+        to_responses_chat({"input": given})
+    if isinstance(given, list):
+        assert parse("/v1/responses", {"input": given}).prompt is None
 
 
 def test_completions_text_and_token_ids_count_as_words_and_grow_as_prefixes() -> None:
