@@ -19,6 +19,17 @@ import orjson
 _M64 = (1 << 64) - 1
 
 
+def json_value(obj: Any, key: str, default: Any) -> Any:
+    """llama-server's `json_value`: the field if it is there, not null and of the default's type; else the
+    default."""
+    found = obj.get(key) if isinstance(obj, dict) else None
+    if found is None:
+        return default
+    if isinstance(default, str | dict | list | int) and not isinstance(found, type(default)):
+        return default
+    return found
+
+
 def dumps(value: Any) -> str:
     """`value` (what orjson parses to) as nlohmann's `dump()` writes it."""
     out: list[str] = []

@@ -12,54 +12,54 @@ uncached.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 from ..errors import BadRequest
 from ..identity import template_fields
 from .base import Api, View
+from .llama_json import json_value
 
 
 class Unconvertible(ValueError):
-    """A body llama-server's conversion refuses (it answers 400): there is no prompt to key."""
+    """A body llama-server's conversion refuses (`std::invalid_argument`: it answers 400), with its message."""
+
+
+def _string(item: dict[str, Any], key: str) -> bool:
+    return isinstance(item.get(key), str)
+
+
+def _array(item: dict[str, Any], key: str) -> bool:
+    return isinstance(item.get(key), list)
 
 
 def to_chat(body: dict[str, Any]) -> dict[str, Any]:
-    """The chat request llama-server makes of a Responses body (the fields that shape the prompt exactly as its
-    converter writes them; the rest of the body is copied, as it copies it)."""
+    """The chat request llama-server makes of a Responses body: every other field (`id_slot`, `stream`,
+    `cache_prompt`...) passes on. Raises Unconvertible (with llama-server's message) where it answers 400."""
     if "input" not in body:
         raise Unconvertible("'input' is required")
-    if body.get("previous_response_id"):
-        raise Unconvertible("llama.cpp does not support 'previous_response_id'")
-    given = body["input"]
+    if json_value(body, "previous_response_id", ""):
+        raise Unconvertible("llama.cpp does not support 'previous_response_id'.")
     chat = {k: v for k, v in body.items() if k not in ("input", "instructions")}
     messages: list[dict[str, Any]] = []
     if "instructions" in body:
-        instructions = body["instructions"]
-        messages.append({"role": "system", "content": instructions if isinstance(instructions, str) else ""})
+        messages.append({"role": "system", "content": json_value(body, "instructions", "")})
+    given = body["input"]
     if isinstance(given, str):
         messages.append({"role": "user", "content": given})
     elif isinstance(given, list):
         for item in given:
-            _item(copy.deepcopy(item), messages)
+            _add_item(messages, dict(item) if isinstance(item, dict) else {})
     else:
         raise Unconvertible("'input' must be a string or array of objects")
     chat["messages"] = messages
     if "tools" in body:
-        if not isinstance(body["tools"], list):
-            raise Unconvertible("'tools' must be an array of objects")
-        tools = []
-        for tool in body["tools"]:
-            if not isinstance(tool, dict) or tool.get("type") != "function":
-                continue   # no chat equivalent: llama-server skips it with a warning
-            function = {k: v for k, v in tool.items() if k != "type"}
-            function.setdefault("strict", True)
-            tools.append({"type": "function", "function": function})
         chat.pop("tools")
+        tools = _responses_tools(body["tools"])
         if tools:
             chat["tools"] = tools
     if "max_output_tokens" in body:
-        chat["max_tokens"] = chat.pop("max_output_tokens")
+        chat.pop("max_output_tokens")
+        chat["max_tokens"] = body["max_output_tokens"]
     if "reasoning" in body:
         reasoning = chat.pop("reasoning")
         if isinstance(reasoning, dict) and "effort" in reasoning:
@@ -67,88 +67,116 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
     return chat
 
 
-def _text(item: dict[str, Any], key: str) -> bool:
-    return isinstance(item.get(key), str)
-
-
-def _item(item: Any, messages: list[dict[str, Any]]) -> None:
-    """One `input` item onto the chat messages, as llama-server's converter adds it."""
-    if not isinstance(item, dict):
-        raise Unconvertible("Cannot determine type of 'item'")
+def _add_item(messages: list[dict[str, Any]], item: dict[str, Any]) -> None:
+    """One input item, as a message of its own or merged into the assistant message just before it."""
     merge = bool(messages) and messages[-1].get("role") == "assistant"
-    if _text(item, "content"):
+    if _string(item, "content"):
         item["content"] = [{"text": item["content"], "type": "input_text"}]
-    role, kind = item.get("role"), item.get("type")
-    if isinstance(item.get("content"), list) and role in ("user", "system", "developer"):
-        parts = []
-        for part in item["content"]:
-            kind_of = part.get("type") if isinstance(part, dict) else None
-            if kind_of == "input_text" and "text" in part:
-                parts.append({"text": part["text"], "type": "text"})
-            elif kind_of == "input_image" and "image_url" in part:
-                parts.append({"image_url": {"url": part["image_url"]}, "type": "image_url"})
-            else:
-                raise Unconvertible("unsupported input content")
+    kind = item.get("type")
+    if _array(item, "content") and item.get("role") in ("user", "system", "developer"):
         item.pop("type", None)
         item.pop("status", None)
-        item["content"] = parts
+        item["content"] = [_input_part(p) for p in item["content"]]
         messages.append(item)
-    elif role == "assistant" and kind == "message":
-        parts = []
-        content = item.get("content")
-        if isinstance(content, list):
-            for part in content:
-                kind_of = part.get("type") if isinstance(part, dict) else None
-                if kind_of in ("output_text", "input_text") and _text(part, "text"):
-                    parts.append({"text": part["text"], "type": "text"})
-                elif kind_of == "refusal" and _text(part, "refusal"):
-                    parts.append({"refusal": part["refusal"], "type": "refusal"})
-                else:
-                    raise Unconvertible("unsupported output content")
+    elif item.get("role") == "assistant" and kind == "message":
+        parts = [_output_part(p) for p in item["content"]] if _array(item, "content") else []
         if merge:
             previous = messages[-1]
             if not isinstance(previous.get("content"), list):
                 previous["content"] = []
-            previous["content"].extend(parts)
+            previous["content"] += parts
         else:
             item.pop("status", None)
             item.pop("type", None)
             item["content"] = parts
             messages.append(item)
-    elif (_text(item, "arguments") and _text(item, "call_id") and _text(item, "name")
-          and kind == "function_call"):
+    elif all(_string(item, k) for k in ("arguments", "call_id", "name")) and kind == "function_call":
         call = {"function": {"arguments": item["arguments"], "name": item["name"]}, "id": item["call_id"],
                 "type": "function"}
         if merge:
             previous = messages[-1]
-            if not isinstance(previous.get("tool_calls"), list):
+            if not _array(previous, "tool_calls"):
                 previous["tool_calls"] = []
             previous["tool_calls"].append(call)
         else:
             messages.append({"role": "assistant", "tool_calls": [call]})
-    elif (_text(item, "call_id") and isinstance(item.get("output"), str | list)
-          and kind == "function_call_output"):
+    elif _string(item, "call_id") and (_string(item, "output") or _array(item, "output")) \
+            and kind == "function_call_output":
         output = item["output"]
-        if isinstance(output, list):
-            for part in output:
-                kind_of = part.get("type") if isinstance(part, dict) else None
-                if kind_of == "input_text":
-                    part["type"] = "text"
-                elif kind_of == "input_image" and "image_url" in part:
-                    part["type"], part["image_url"] = "image_url", {"url": part["image_url"]}
-                else:
-                    raise Unconvertible("unsupported tool output content")
-        messages.append({"content": output, "role": "tool", "tool_call_id": item["call_id"]})
-    elif isinstance(item.get("summary"), list) and kind == "reasoning":
+        result = output if isinstance(output, str) else [_tool_output_part(p) for p in output]
+        messages.append({"content": result, "role": "tool", "tool_call_id": item["call_id"]})
+    elif _array(item, "summary") and kind == "reasoning":
         content = item.get("content")
-        if not (isinstance(content, list) and content and isinstance(content[0], dict) and _text(content[0], "text")):
-            raise Unconvertible("a reasoning item needs content[0].text")
+        if not isinstance(content, list):
+            raise Unconvertible("item['content'] is not an array")
+        if not content:
+            raise Unconvertible("item['content'] is empty")
+        if not (isinstance(content[0], dict) and _string(content[0], "text")):
+            raise Unconvertible("item['content']['text'] is not a string")
         if merge:
             messages[-1]["reasoning_content"] = content[0]["text"]
         else:
             messages.append({"role": "assistant", "content": [], "reasoning_content": content[0]["text"]})
     else:
         raise Unconvertible("Cannot determine type of 'item'")
+
+
+def _input_part(part: Any) -> dict[str, Any]:
+    kind = json_value(part, "type", "")
+    if kind == "input_text":
+        if "text" not in part:
+            raise Unconvertible("'Input text' requires 'text'")
+        return {"text": part["text"], "type": "text"}
+    if kind == "input_image":
+        if "image_url" not in part:
+            raise Unconvertible("'image_url' is required")
+        return {"image_url": {"url": part["image_url"]}, "type": "image_url"}
+    if kind == "input_file":
+        raise Unconvertible("'input_file' is not supported by llamacpp at this moment")
+    raise Unconvertible("'type' must be one of 'input_text', 'input_image', or 'input_file'")
+
+
+def _output_part(part: Any) -> dict[str, Any]:
+    kind = json_value(part, "type", "")
+    if kind in ("output_text", "input_text"):
+        if not _string(part, "text"):
+            raise Unconvertible("'Output text' requires 'text'")
+        return {"text": part["text"], "type": "text"}
+    if kind == "refusal":
+        if not _string(part, "refusal"):
+            raise Unconvertible("'Refusal' requires 'refusal'")
+        return {"refusal": part["refusal"], "type": "refusal"}
+    raise Unconvertible("'type' must be one of 'output_text' or 'refusal'")
+
+
+def _tool_output_part(part: Any) -> dict[str, Any]:
+    if not isinstance(part, dict) or "type" not in part:
+        raise Unconvertible("Output of tool call missing 'type' field")
+    part = dict(part)
+    if part["type"] == "input_text":
+        part["type"] = "text"
+    elif part["type"] == "input_image":
+        if "image_url" not in part:
+            raise Unconvertible("'image_url' is required")
+        part["type"] = "image_url"
+        part["image_url"] = {"url": part["image_url"]}
+    else:
+        raise Unconvertible("Output of tool call should be 'Input text' or 'Input image'")
+    return part
+
+
+def _responses_tools(tools: Any) -> list[dict[str, Any]]:
+    """Function tools in the chat shape (`strict` true unless given); other kinds have no chat equivalent."""
+    if not isinstance(tools, list):
+        raise Unconvertible("'tools' must be an array of objects")
+    out = []
+    for tool in tools:
+        if json_value(tool, "type", "") != "function":
+            continue
+        function = {k: v for k, v in tool.items() if k != "type"}
+        function.setdefault("strict", True)
+        out.append({"type": "function", "function": function})
+    return out
 
 
 class ResponsesApi(Api):
@@ -166,7 +194,7 @@ class ResponsesApi(Api):
     def view(self, body: dict[str, Any]) -> View:
         try:
             chat = to_chat(body)
-        except (Unconvertible, TypeError, KeyError, AttributeError):
+        except (Unconvertible, TypeError, AttributeError):
             # not keyed: what prefilters read is every item as it came, the instructions first
             given = body["input"]
             items = [{"role": "system", "content": body["instructions"]}] if "instructions" in body else []

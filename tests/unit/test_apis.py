@@ -85,7 +85,7 @@ def test_the_responses_conversion_is_llama_servers() -> None:
     """Input items as server-chat.cpp turns them into chat messages: a string content becomes a text part, a
     function call joins the assistant message before it, outputs become tool messages, reasoning the assistant's
     reasoning_content; max_output_tokens and reasoning.effort are renamed."""
-    chat = to_responses_chat({"input": [
+    body = {"input": [
         {"role": "user", "content": "list the files", "type": "message"},
         {"role": "assistant", "type": "message", "status": "completed",
          "content": [{"type": "output_text", "text": "Looking."}]},
@@ -94,7 +94,10 @@ def test_the_responses_conversion_is_llama_servers() -> None:
         {"type": "function_call_output", "call_id": "c1", "output": "a.py"},
         {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "/src"}]},
         {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "Two files."}]},
-    ], "max_output_tokens": 9, "reasoning": {"effort": "low"}, "temperature": 0})
+    ], "max_output_tokens": 9, "reasoning": {"effort": "low"}, "temperature": 0}
+    sent = orjson.dumps(body)
+    chat = to_responses_chat(body)
+    assert orjson.dumps(body) == sent        # the body goes on to llama-server as it came
     assert chat["messages"] == [
         {"role": "user", "content": [{"text": "list the files", "type": "text"}]},
         {"role": "assistant", "content": [{"text": "Looking.", "type": "text"}], "tool_calls": [
