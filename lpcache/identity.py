@@ -29,12 +29,11 @@ BLOCK_CHARS = 64
 TEMPLATE_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "reasoning_format",
                    "reasoning_effort", "add_generation_prompt", "chat_template", "continue_final_message")
 _MESSAGE_FIELDS = ("role", "name", "content", "tool_calls", "tool_call_id")
-_SORTED = orjson.OPT_SORT_KEYS
-
-
 def _json(value: Any) -> str:
+    """JSON in the order it came: llama-server keeps a body's key order (its JSON is ordered) and a template's
+    `tojson` writes it so, so two tool schemas that differ only in the order of their keys render differently."""
     try:
-        return orjson.dumps(value, option=_SORTED).decode()
+        return orjson.dumps(value).decode()
     except TypeError:   # nesting deeper than orjson writes: still an identity, just not a pretty one
         return repr(value)
 

@@ -20,13 +20,19 @@ _M64 = (1 << 64) - 1
 
 
 def json_value(obj: Any, key: str, default: Any) -> Any:
-    """llama-server's `json_value`: the field if it is there, not null and of the default's type; else the
-    default."""
+    """llama-server's `json_value`: the field if it is there and not null, converted as nlohmann converts it to the
+    default's type (any JSON for an object or array default; a number or a boolean for an integer, truncated);
+    else, or when it does not convert, the default."""
     found = obj.get(key) if isinstance(obj, dict) else None
-    if found is None:
-        return default
-    if isinstance(default, str | dict | list | int) and not isinstance(found, type(default)):
-        return default
+    if found is None or isinstance(default, dict | list):
+        return default if found is None else found
+    if isinstance(default, bool):
+        return found if isinstance(found, bool) else default
+    if isinstance(default, int):
+        return int(found) if isinstance(found, int) or (isinstance(found, float) and math.isfinite(found)) \
+            else default
+    if isinstance(default, str):
+        return found if isinstance(found, str) else default
     return found
 
 

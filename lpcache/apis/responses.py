@@ -84,7 +84,7 @@ def _add_item(messages: list[dict[str, Any]], item: dict[str, Any]) -> None:
             previous = messages[-1]
             if not isinstance(previous.get("content"), list):
                 previous["content"] = []
-            previous["content"] += parts
+            previous["content"] = [*previous["content"], *parts]   # a new list: the client's is never changed
         else:
             item.pop("status", None)
             item.pop("type", None)
@@ -97,7 +97,7 @@ def _add_item(messages: list[dict[str, Any]], item: dict[str, Any]) -> None:
             previous = messages[-1]
             if not _array(previous, "tool_calls"):
                 previous["tool_calls"] = []
-            previous["tool_calls"].append(call)
+            previous["tool_calls"] = [*previous["tool_calls"], call]   # a new list: the client's is never changed
         else:
             messages.append({"role": "assistant", "tool_calls": [call]})
     elif _string(item, "call_id") and (_string(item, "output") or _array(item, "output")) \
@@ -186,10 +186,8 @@ class ResponsesApi(Api):
     def check(self, body: dict[str, Any]) -> None:
         if "input" not in body:
             raise BadRequest("'input' is required", code="invalid_input")
-        if not isinstance(body["input"], str | list):
-            raise BadRequest("'input' must be a string or an array of items", code="invalid_input")
-        if "instructions" in body and not isinstance(body["instructions"], str | None):
-            raise BadRequest("'instructions' must be a string", code="invalid_instructions")
+        if not isinstance(body["input"], str | list):   # as llama-server words it
+            raise BadRequest("'input' must be a string or array of objects", code="invalid_input")
 
     def view(self, body: dict[str, Any]) -> View:
         try:

@@ -9,6 +9,7 @@ from lpcache import agents
 from lpcache.apis import BY_PATH
 from lpcache.apis.base import Call
 from lpcache.apis.infill import PREFIX_EXACT_CHARS
+from lpcache.apis.llama_json import json_value
 from lpcache.apis.responses import Unconvertible
 from lpcache.apis.responses import to_chat as to_responses_chat
 from lpcache.config import Settings
@@ -109,6 +110,37 @@ def test_the_responses_conversion_is_llama_servers() -> None:
     ]
     assert chat["max_tokens"] == 9 and chat["reasoning_effort"] == "low" and chat["temperature"] == 0
     assert "max_output_tokens" not in chat and "reasoning" not in chat and "input" not in chat
+
+
+def test_the_responses_conversion_never_changes_the_body_that_goes_on() -> None:
+    """A function call joins the assistant item before it, which may carry lists of its own: they are copied, not
+    grown (llama-server would convert the body again and see the call twice)."""
+    body = {"input": [{"role": "assistant", "type": "message", "content": [], "tool_calls": []},
+                      {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                      {"role": "assistant", "type": "message", "content": [{"type": "output_text", "text": "a"}]}]}
+    sent = orjson.dumps(body)
+    first, second = to_responses_chat(body), to_responses_chat(body)
+    assert orjson.dumps(body) == sent and first == second
+    assert [c["id"] for c in first["messages"][0]["tool_calls"]] == ["c1"]
+
+
+def test_key_order_is_part_of_the_identity() -> None:
+    """llama-server keeps a body's key order and a template writes it so: a tool schema whose properties come in
+    another order is another prompt."""
+    def tool(properties: dict[str, object]) -> dict[str, object]:
+        return {"messages": [{"role": "user", "content": "x" * 200}], "tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object", "properties": properties}}}]}
+
+    ab = parse("/v1/chat/completions", tool({"a": {"type": "string"}, "b": {"type": "string"}}))
+    ba = parse("/v1/chat/completions", tool({"b": {"type": "string"}, "a": {"type": "string"}}))
+    assert ab.prompt is not None and ba.prompt is not None and ab.prompt.exact != ba.prompt.exact
+
+
+def test_json_value_converts_as_nlohmann_does() -> None:
+    assert json_value({"n": 1.9}, "n", 5) == 1 and json_value({"n": True}, "n", 5) == 1
+    assert json_value({"n": "7"}, "n", 5) == 5 and json_value({"n": None}, "n", 5) == 5
+    assert json_value({"o": [1]}, "o", {}) == [1] and json_value({}, "o", {}) == {}
+    assert json_value({"s": 3}, "s", "") == "" and json_value({"b": 1}, "b", False) is False
 
 
 @pytest.mark.parametrize("given", [[{"type": "mystery"}], [{"role": "user", "content": [{"type": "input_file"}]}],
