@@ -127,6 +127,7 @@ class ApiKeys:
         api = BY_PATH.get(scope["path"])   # in the shape the route's clients read (Anthropic's on /v1/messages)
         await send_error(send, err, [(b"www-authenticate", b"Bearer")], api.error(err) if api else None)
 
+
 async def read_body(request: Request, max_bytes: int, idle_timeout: float | None = None) -> bytes:
     """The request body, or 413 as soon as it is known to pass `max_bytes`: from Content-Length before reading,
     else while the chunks come in (a chunked upload is not read to its end). 408 when no part of it comes for

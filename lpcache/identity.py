@@ -5,10 +5,10 @@ the `tools` array, so two requests a chat template renders differently can share
 "hit" or the verdict that a model cannot reuse restores must not rest on that. The identity is the request's
 *canonical text* (the fields that shape the rendered prompt, the tools as the server hands them to the template,
 then every message: role, name, content parts, tool calls, tool call id and any other field, in order, JSON-escaped
-so no text can fake a boundary) cut into blocks of
-`BLOCK_CHARS` characters, with a chain of digests: chain[i] is the digest of the first i+1 blocks. Two requests whose
-chains agree up to i render the same first (i+1) x BLOCK_CHARS canonical characters, so a template that renders
-messages in order gives them the same tokens up to about there; what lies beyond is not claimed.
+so no text can fake a boundary) cut into blocks of `BLOCK_CHARS` characters, with a chain of digests: chain[i] is
+the digest of the first i+1 blocks. Two requests whose chains agree up to i render the same first (i+1) x
+BLOCK_CHARS canonical characters, so a template that renders messages in order gives them the same tokens up to
+about there; what lies beyond is not claimed.
 
 Images count by a digest of their URL or data (llama-server compares media chunks by content). Fields that only
 steer sampling (temperature, max_tokens, stream...) are not part of it: the same prompt under other sampling
@@ -29,6 +29,8 @@ BLOCK_CHARS = 64
 TEMPLATE_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "reasoning_format",
                    "reasoning_effort", "add_generation_prompt", "chat_template", "continue_final_message")
 _MESSAGE_FIELDS = ("role", "name", "content", "tool_calls", "tool_call_id")
+
+
 def _json(value: Any) -> str:
     """JSON in the order it came: llama-server keeps a body's key order (its JSON is ordered) and a template's
     `tojson` writes it so, so two tool schemas that differ only in the order of their keys render differently."""

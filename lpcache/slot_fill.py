@@ -62,11 +62,10 @@ def beside_wait(slot: Slot, mine: float, blocks: int, speeds: Speeds) -> float:
       the prefill of the shared part (at the learnt speed, else as measured on the busy slot's own prefill).
     """
     now = time.monotonic()
-    held = slot.pending or slot.content
     shared = speeds.tokens_of(blocks)
     benefit = speeds.prefill.seconds(shared)
     if slot.first_token_at is not None:
-        if benefit is None and slot.sent_at is not None and held is not None and held.chain:
+        if benefit is None and slot.sent_at is not None:
             took = slot.first_token_at - slot.sent_at   # its own prefill, of `computing` blocks
             benefit = took * blocks / max(slot.computing, 1)
         return max(0.0, slot.first_token_at + (benefit or 0.0) - now)
@@ -209,7 +208,7 @@ class SlotFiller:
         choice.slot.pending = want or Content(prompt.key, prompt.exact)
         choice.slot.phase, choice.slot.free_at = "prefill", None
         brought = choice.restore.shared if choice.restore is not None else choice.resident
-        choice.slot.stream, choice.slot.sent_at, choice.slot.first_token_at = bool(record.stream), None, None
+        choice.slot.stream = bool(record.stream)
         choice.slot.computing = max(0, len(choice.slot.pending.chain) - brought)
         record.backend, record.slot = self.backends[choice.slot.backend].url, choice.slot.id
         record.restore_skipped = choice.skipped or None

@@ -60,8 +60,12 @@ class Slot:
     sent_at: float | None = None     # while busy: when its request went to the server (monotonic)
     first_token_at: float | None = None   # while busy: when its answer's first token came (its prefill was over)
     computing: int = 0               # while busy: identity blocks of its prompt the server computes (not cached)
-    awaited: int = 0                 # requests whose wait plan is this slot (one at most: `wait_plan`)
-    replans: list[Callable[[], None]] = field(default_factory=list)   # their deadlines, to decide again
+    replans: list[Callable[[], None]] = field(default_factory=list)   # the waits planned on it, to decide again
+
+    @property
+    def awaited(self) -> bool:
+        """A request's wait plan is this slot (one at most: `wait_plan`)."""
+        return bool(self.replans)
 
     @property
     def name(self) -> str:
@@ -333,20 +337,19 @@ class SlotPool:
         waiter = _Waiter(want)
         self._waiters.append(waiter)
         self.wake()
-        target = plan.target if plan is not None and plan.recheck is not None else None
+        target, recheck = (plan.target, plan.recheck) if plan is not None else (None, None)
         replan: Callable[[], None] | None = None
         try:
             # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancel that lands just as the slot is
             # handed over, and the cancelled caller would keep a slot it never releases.
             async with asyncio.timeout(self.wait_timeout if timeout is None else timeout) as deadline:
-                if target is not None and plan is not None and plan.recheck is not None:
-                    loop, recheck = asyncio.get_running_loop(), plan.recheck
+                if target is not None and recheck is not None:
+                    loop, again = asyncio.get_running_loop(), recheck
                     bound = deadline.when() or loop.time()
 
                     def replan() -> None:
-                        deadline.reschedule(min(bound, loop.time() + max(recheck(), 0.0)))
+                        deadline.reschedule(min(bound, loop.time() + max(again(), 0.0)))
 
-                    target.awaited += 1
                     target.replans.append(replan)
                 return await asyncio.shield(waiter.future)
         except (TimeoutError, asyncio.CancelledError) as e:
@@ -362,7 +365,6 @@ class SlotPool:
             raise
         finally:
             if target is not None and replan is not None:
-                target.awaited -= 1
                 target.replans.remove(replan)
 
     def progressed(self, slot: Slot) -> None:

@@ -19,7 +19,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,21 +37,31 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_healthy(url: str, timeout: float, process: subprocess.Popen | None = None, what: str = "server") -> None:
-    """Poll `url` until it answers 200; fail early if the process died."""
+def wait_ready(ready: Callable[[], bool], where: str, timeout: float, process: subprocess.Popen | None = None,
+               what: str = "server") -> None:
+    """Poll `ready()` (an OSError counts as not yet) until it says yes; fail early if the process died."""
     deadline = time.monotonic() + timeout
     last: object = None
     while time.monotonic() < deadline:
         if process is not None and process.poll() is not None:
             raise RuntimeError(f"{what} exited with status {process.returncode} before it was ready")
         try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, OSError) as e:
+            if ready():
+                return
+        except OSError as e:   # urllib's URLError included
             last = e
         time.sleep(0.05)  # polling interval of a readiness check, not synchronisation
-    raise TimeoutError(f"{what} at {url} not ready after {timeout}s ({last})")
+    raise TimeoutError(f"{what} at {where} not ready after {timeout}s ({last})")
+
+
+def wait_healthy(url: str, timeout: float, process: subprocess.Popen | None = None, what: str = "server") -> None:
+    """Poll `url` until it answers 200; fail early if the process died."""
+
+    def answers() -> bool:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return bool(resp.status == 200)
+
+    wait_ready(answers, url, timeout, process, what)
 
 
 class ServerThread:
@@ -239,20 +249,13 @@ class RedisServer(_Process):
 
     def _wait_ready(self, timeout: float) -> None:
         """Until it answers PING (Redis speaks no HTTP); fail early if it died."""
-        deadline = time.monotonic() + timeout
-        last: object = None
-        while time.monotonic() < deadline:
-            if self.process is not None and self.process.poll() is not None:
-                raise RuntimeError(f"redis-server exited with status {self.process.returncode} before it was ready")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=2) as conn:
-                    conn.sendall(b"PING\r\n")
-                    if conn.recv(64).startswith(b"+PONG"):
-                        return
-            except OSError as e:
-                last = e
-            time.sleep(0.05)  # polling interval of a readiness check, not synchronisation
-        raise TimeoutError(f"redis-server on port {self.port} not ready after {timeout}s ({last})")
+
+        def pong() -> bool:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=2) as conn:
+                conn.sendall(b"PING\r\n")
+                return conn.recv(64).startswith(b"+PONG")
+
+        wait_ready(pong, f"port {self.port}", timeout, self.process, self.name)
 
     def restart(self) -> None:
         self.stop()

@@ -464,7 +464,7 @@ def test_wait_plan_says_when_the_alternative_prefills_beside_the_busy_slot() -> 
     assert asked == [True, False, True, False]
     # a busy slot another request already waits for is not planned on again (only one of them would get it)
     same.busy = other.busy = False
-    busy.awaited = 1
+    busy.replans.append(lambda: None)
     assert wait_plan([busy, same], mine, None, None, None, frozenset(), budget) is None
 
 
@@ -481,11 +481,11 @@ async def test_a_planned_wait_is_decided_again_when_its_slots_request_progresses
         if s0.replans:
             break
         await asyncio.sleep(0)
-    assert s0.awaited == 1 and not task.done()
+    assert len(s0.replans) == 1 and s0.awaited and not task.done()
     left[0] = 0.0                    # the first token came: the wait no longer pays
     pool.progressed(s0)
     choice, planned = await task
-    assert choice.slot is s1 and not planned and s0.awaited == 0 and s0.replans == []
+    assert choice.slot is s1 and not planned and not s0.awaited and s0.replans == []
     pool.release(choice.slot)
     pool.release(first.slot)
     assert not any(s.busy for s in pool.slots)
