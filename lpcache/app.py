@@ -342,6 +342,9 @@ def create_app(settings: Settings, plugins: Loaded | None = None) -> Starlette:
             app.state.started = time.time()
             app.state.pipeline = Pipeline(settings, backends, pool, index, observers=observers(),
                                           prefilters=plugins.prefilters)
+            if settings.redis_url:
+                fleet = app.state.pipeline.join_fleet()
+                await fleet.start()
             disk = DiskFigure(index)
             for router in plugins.routes:
                 router.state = lambda: proxy_state(getattr(app.state, "pipeline", None), app.state.started, disk)
@@ -358,6 +361,9 @@ def create_app(settings: Settings, plugins: Loaded | None = None) -> Starlette:
             await app.state.pipeline.drain(settings.shutdown_timeout)
             await app.state.pipeline.save_all(settings.shutdown_timeout)
         finally:
+            pipeline = getattr(app.state, "pipeline", None)
+            if pipeline is not None and pipeline.fleet is not None:
+                await pipeline.fleet.stop()
             for plugin in plugins.all:
                 try:
                     await plugin.stop()

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import socket
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,6 +75,10 @@ class Settings:
     meta_max_gib: float | None = None      # None: auto (a share of the slot-save folder's disk, see `app`)
     slot_affinity_wait: float = 30.0
     client_slot_actions: bool = False
+    redis_url: str | None = None           # several replicas share their cache map through Redis (`fleet`)
+    replica_id: str = ""                   # this replica's name in Redis ("" : hostname-pid)
+    slot_lease_ms: int = 15000
+    ring_files: int = 32
     # Plugin specs ({"name", "params"}), in order: from PLUGINS, else translated from the legacy variables.
     plugins: tuple[dict[str, Any], ...] = ()
     # Where each value came from ("flag", "env" or "default"), for the start-up log and for N_SLOTS.
@@ -128,6 +134,34 @@ def _url(raw: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise ValueError(f"{raw!r} is not an http(s) URL")
     return url
+
+
+def _redis_url(raw: str) -> str | None:
+    url = raw.strip()
+    if not url:
+        return None
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss", "unix") or not (parts.netloc or parts.path):
+        raise ValueError(f"{raw!r} is not a redis://, rediss:// or unix:// URL")
+    return url
+
+
+_REPLICA = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+def _replica_id(raw: str) -> str | None:
+    name = raw.strip()
+    if not name:
+        return None
+    if not _REPLICA.fullmatch(name):
+        raise ValueError(f"{raw!r} is not one word of letters, digits, '.', '_' or '-' (64 at most)")
+    return name
+
+
+def default_replica_id() -> str:
+    """<hostname>-<pid>, made one word: unique among replicas on several hosts and several on one host."""
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:48] or "lpcache"
+    return f"{host}-{os.getpid()}"
 
 
 def _log_level(raw: str) -> str:
@@ -322,6 +356,21 @@ OPTIONS: tuple[Option, ...] = (
            "long prefix that came just before). lpcache waits only while "
            "the wait is expected to be shorter than the prefill it spares, from the speeds it learnt; 0 = never.",
            metavar="SECONDS"),
+    Option("REDIS_URL", "--redis-url", _redis_url, None,
+           "Several lpcache replicas in front of the same llama-servers share, through this Redis "
+           "(redis://[:password@]host:port/db, rediss:// for TLS), the index of saved caches, what each slot holds, "
+           "slot leases, sessions and learnt speeds (docs/scale-out.md). Unset: one process, nothing shared.",
+           metavar="URL"),
+    Option("REPLICA_ID", "--replica-id", _replica_id, None,
+           "This replica's name in Redis: one word (letters, digits, . _ -). Unset: <hostname>-<pid>.",
+           metavar="ID"),
+    Option("SLOT_LEASE_MS", "--slot-lease-ms", _int(1000, 3_600_000), "15000",
+           "With REDIS_URL: the expiry of a slot lease, renewed every third of it while held; a crashed replica's "
+           "slots are free again within this.", metavar="MS"),
+    Option("RING_FILES", "--ring-files", _int(1, 100_000), "32",
+           "With REDIS_URL: for a backend whose slot-save folder lpcache cannot see (another host), prefix caches "
+           "are saved under a ring of this many file names per backend, so a save overwrites the oldest: that "
+           "backend's disk holds at most RING_FILES x its largest slot file.", metavar="N"),
     Option("CLIENT_SLOT_ACTIONS", "--client-slot-actions", _bool, "false",
            "Let clients send POST /slots/{id}?action=save|restore|erase through lpcache (refused with 403 "
            "otherwise: they would change slots behind lpcache's back). GET /slots is always passed on.",
@@ -481,6 +530,10 @@ def load_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] 
         meta_max_gib=values["META_MAX_GIB"],
         slot_affinity_wait=values["SLOT_AFFINITY_WAIT"],
         client_slot_actions=values["CLIENT_SLOT_ACTIONS"],
+        redis_url=values["REDIS_URL"],
+        replica_id=values["REPLICA_ID"] or default_replica_id(),
+        slot_lease_ms=values["SLOT_LEASE_MS"],
+        ring_files=values["RING_FILES"],
         plugins=plugin_specs(values),
         sources=sources,
     )

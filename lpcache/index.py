@@ -283,6 +283,10 @@ class MetaIndex:
         # back with a new save takes its rhythm over (a deleted file would otherwise make it look brand new, and
         # the first to go again). Bounded: the oldest are forgotten.
         self._ghosts: OrderedDict[tuple[str, int], Usage] = OrderedDict()
+        # With REDIS_URL (`fleet`): told of each entry this replica adds (its meta document) or removes (None), for
+        # the other replicas; not of the changes it applies from them (`apply`).
+        self.publish: Callable[[str, bytes | None], None] | None = None
+        self._applying = False
         self.evicted = 0          # entries deleted by the limits since start
         self.lost = 0             # restores that found their entry gone (see `lost_restore`)
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lpcache-meta")
@@ -466,6 +470,8 @@ class MetaIndex:
             self._moved_on[c.key] = None
         removed += self._over_limit(keep=entry.key)
         data = orjson.dumps(meta_document(entry, prompt.blocks))
+        if self.publish is not None:
+            self.publish(entry.key, data)
         await self._run(self._write_and_delete, entry.key, data, removed)
         return removed
 
@@ -762,6 +768,48 @@ class MetaIndex:
             return
         self._usage.remove(entry.key)
         self._unindex(entry)
+        if self.publish is not None and not self._applying:
+            self.publish(entry.key, None)
+
+    # ---- shared with other replicas (REDIS_URL: `fleet`) ----
+
+    def apply(self, key: str, document: bytes | None) -> None:
+        """Another replica added (its meta document) or removed (None) an entry: the lookup tables follow. Files are
+        never deleted for it (the replica that removed the entry deleted them); this replica's meta file of it, if
+        any, goes, so a restart does not bring the entry back."""
+        self._applying = True
+        try:
+            old = self._entries.get(key)
+            if document is None:
+                if old is not None and key not in self._saving:
+                    self._remove(old)
+                    self._io.submit(_unlink, self._meta_path(key))
+                return
+            try:
+                entry = entry_from_document(key, orjson.loads(document))
+            except ValueError as e:
+                log.warning("meta_skipped shared key=%s reason=%s", key, e)
+                return
+            if entry.slot_save_path:
+                self._folders.add(entry.slot_save_path)
+            if old is not None:
+                self._unindex(old)
+            self._insert(entry)
+        finally:
+            self._applying = False
+
+    def document(self, key: str) -> bytes | None:
+        """The meta document of an entry, as its meta file has it (None: no entry, or no file here)."""
+        if key not in self._entries:
+            return None
+        try:
+            return read_regular(self._meta_path(key))
+        except OSError:
+            return None
+
+    def documents(self) -> list[tuple[str, bytes]]:
+        """The meta documents of every entry whose meta file is in META_DIR (blocking: run it in a thread)."""
+        return [(key, doc) for key in list(self._entries) if (doc := self.document(key)) is not None]
 
     def _unindex(self, entry: MetaEntry) -> None:
         """Out of the lookup tables and the entry list (its usage record stays: an entry saved again under the
@@ -821,6 +869,8 @@ class MetaIndex:
                 doc = orjson.loads(f.read())
             doc["timestamp"], doc["uses"], doc["interval"] = timestamp, uses, interval
             write_atomic(path, orjson.dumps(doc))
+        except FileNotFoundError:
+            pass   # another replica's entry (REDIS_URL): its meta file is in that replica's META_DIR
         except (OSError, ValueError, TypeError) as e:
             log.warning("meta_touch_failed key=%s reason=%s", key, e)
 

@@ -181,14 +181,14 @@ class Leases:
         if lease is None:
             raise LeaseTaken(f"slot {name} is leased to another request")
         stop = asyncio.Event()
-        keeper = asyncio.create_task(self._keep(lease, stop), name=f"lease keeper {name}")
+        keeper = asyncio.create_task(self.keep(lease, stop), name=f"lease keeper {name}")
         try:
             yield lease
         finally:
             stop.set()      # not keeper.cancel(): a cancel inside redis-py can be swallowed (above)
             await asyncio.wait([self._released(lease), keeper])   # a second cancel leaves both to finish
 
-    async def _keep(self, lease: Lease, stop: asyncio.Event) -> None:
+    async def keep(self, lease: Lease, stop: asyncio.Event) -> None:
         """Renew until stopped; set `lost` when Redis says the lease is gone, or when it lapsed unrenewed (Redis
         down), since then another replica may hold it."""
         every = lease.ttl_ms / 3000

@@ -28,6 +28,7 @@ from .cache_files import Limits
 from .coalesce import Coalescer, coalesce_key
 from .config import Settings
 from .errors import ClientGone, ProxyError
+from .fleet import Fleet
 from .guard import client_credential, client_identity, passed_on, read_body, shown_headers
 from .index import MetaIndex
 from .plugins.base import Answer, ChatRequest, Prefilter, Serve, answer_wanted_by
@@ -69,6 +70,14 @@ class Pipeline:
         self.truth = SlotTruth(self.backends, pool)
         self.crew = Crew(self.backends, pool, self.filler, self.saver, self.routers, self.truth, self.coalescer,
                          settings.request_timeout, self.answered, self.notify, self.spawn)
+        self.fleet: Fleet | None = None
+
+    def join_fleet(self) -> Fleet:
+        """REDIS_URL: share the cache map and take slot leases with the other replicas (`fleet`)."""
+        assert self.settings.redis_url
+        self.fleet = Fleet(self.settings.redis_url, self.settings.replica_id, self.settings.slot_lease_ms,
+                           self.backends, self.pool, self.index, self.sessions, self.speeds, self.spawn)
+        return self.fleet
 
     def _limits(self, backend: Backend) -> Callable[[str], Limits]:
         c, s = backend.config, self.settings

@@ -109,6 +109,7 @@ class Saver:
         if record.gen_ms is not None and record.completion_tokens:
             speeds.generate.add(record.gen_ms, record.completion_tokens)
         speeds.learn_chars(prompt.chars, record.prompt_tokens)
+        self.speeds.learnt(backend.index, RouterModels.served(backend, prompt.model))
 
     async def after(self, lease: Lease, backend: Backend, prompt: Prompt, big: bool, record: RequestRecord,
                     want: Content | None, prefilled: bool, held_blocks: int) -> None:
@@ -162,7 +163,7 @@ class Saver:
             return content
         info = self.sessions.get(content.key)
         if info is not None:
-            info.saved(backend.index, record.save_bytes, content.chain)
+            self.sessions.saved(info, backend.index, record.save_bytes, content.chain)
         return replace(content, saved=True)
 
     async def save(self, choice: Choice, backend: Backend, prompt: Prompt, content: Content,
@@ -244,7 +245,7 @@ class Saver:
             if held.session is not None:
                 info = self.sessions.get(held.key)
                 if info is not None:
-                    info.saved(backend.index, n_written, held.chain)
+                    self.sessions.saved(info, backend.index, n_written, held.chain)
             elif held.prompt is not None:
                 self.spawn(self.index.add(held.prompt, held.key, backend.url, path, held.fingerprint,
                                           int_or_none(result.body.get("n_saved")), n_written))
@@ -279,7 +280,7 @@ class Saver:
         held = slot.content
         if held is None or not held.dirty or not self.enabled(backend, held.model):
             return False
-        if not self.pool.take_idle(slot, force):
+        if not await self.pool.take_idle(slot, force):
             return False
         try:
             ok = await self.save_held(backend, slot, held, None)

@@ -20,7 +20,7 @@ import hashlib
 import math
 import re
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -259,6 +259,7 @@ class SessionBook:
         self.budget = budget
         self.bytes = 0
         self._by_file: dict[str, SessionInfo] = {}
+        self.on_saved: Callable[[SessionInfo], None] | None = None   # set with REDIS_URL (`fleet`)
 
     def __len__(self) -> int:
         return len(self._by_file)
@@ -301,6 +302,25 @@ class SessionBook:
 
     def get(self, file: str) -> SessionInfo | None:
         return self._by_file.get(file)
+
+    def saved(self, info: SessionInfo, backend: int, file_bytes: int | None, chain: tuple[int, ...]) -> None:
+        """The session's file was just written (`SessionInfo.saved`); with REDIS_URL the other replicas are told."""
+        info.saved(backend, file_bytes, chain)
+        if self.on_saved is not None:
+            self.on_saved(info)
+
+    def known(self, file: str, session: str, route: str, owner: str | None) -> SessionInfo:
+        """The entry of a session another replica served (created, oldest first, when this one never saw it)."""
+        info = self._by_file.get(file)
+        if info is None:
+            info = SessionInfo(session, route, file, owner=owner)
+            self._by_file = {file: info, **self._by_file}
+            while len(self._by_file) > self.limit:
+                self._forget(next(iter(self._by_file)))
+        return info
+
+    def all_owners(self) -> list[SessionInfo]:
+        return list(self._by_file.values())
 
     def of_session(self, session: str, route: str | None = None, owner: str | None = None) -> SessionInfo | None:
         """The session's most recently used entry (on `route`, when given) of `owner`'s sessions."""

@@ -111,6 +111,12 @@ class SharedMap:
         self.healthy = False
         self.reloads = 0                   # full loads after the first (gaps, reconnections, losses)
 
+    def keys_of(self, ns: str) -> tuple[str, str, str]:
+        """(version counter, change stream, the namespace's hash): for a script of another module that writes a
+        change the map's way (INCR, HSET `<version>:<payload>`, XADD {ns, key, op, replica, version}) together
+        with a write of its own, atomically (`fleet`'s slot release)."""
+        return self._counter, self._stream, self._hash[ns]
+
     # ---- reads: the local mirror only ----
 
     def get(self, ns: str, key: str) -> bytes | None:

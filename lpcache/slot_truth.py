@@ -59,9 +59,11 @@ class SlotTruth:
             if listing is None:
                 continue   # no /slots on this server: lpcache cannot tell
             counts = {s.get("id"): s.get("n_prompt_tokens") for s in listing}
+            working = {s.get("id") for s in listing if s.get("is_processing")}
             lost = []
             for slot in mine:
-                if slot.model != model or slot.busy or slot.content is None:
+                # a slot another replica uses (REDIS_URL) changes under its own lease: not a false belief
+                if slot.model != model or slot.taken or slot.id in working or slot.content is None:
                     continue
                 n = counts.get(slot.id)
                 expected = slot.content.tokens

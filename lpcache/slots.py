@@ -14,6 +14,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 from .errors import SlotsBusy
 from .index import Candidate
@@ -61,6 +62,13 @@ class Slot:
     first_token_at: float | None = None   # while busy: when its answer's first token came (its prefill was over)
     computing: int = 0               # while busy: identity blocks of its prompt the server computes (not cached)
     replans: list[Callable[[], None]] = field(default_factory=list)   # the waits planned on it, to decide again
+    elsewhere: str | None = None     # with REDIS_URL: the replica whose request holds it (`fleet`) ...
+    elsewhere_until: float = 0.0     # ... until then at most (monotonic; its lease's expiry as last seen)
+
+    @property
+    def taken(self) -> bool:
+        """Busy here, or held by another replica's request (as far as this replica knows)."""
+        return self.busy or (self.elsewhere is not None and time.monotonic() < self.elsewhere_until)
 
     @property
     def awaited(self) -> bool:
@@ -207,12 +215,12 @@ def wait_plan(slots: Sequence[Slot], prompt: Prompt | None, candidate: Candidate
     n = len(prompt.exact) if prompt is not None else 0
     if session is not None:
         for slot in slots:
-            held = (slot.pending or slot.content) if slot.busy else None
+            held = (slot.pending or slot.content) if slot.taken else None
             if held is not None and held.key == session and ok(slot):
                 seconds = budget(slot, n, False)
                 return WaitPlan(_only(slot), seconds) if seconds > 0 else None
         mine = [s for s in slots if ok(s) and s.backend in homes]
-        if homes and mine and all(s.busy for s in mine):
+        if homes and mine and all(s.taken for s in mine):
             seconds = budget(_soonest(mine), n, False)
             return WaitPlan(lambda s: s.backend in homes, seconds) if seconds > 0 else None
         return None
@@ -223,16 +231,17 @@ def wait_plan(slots: Sequence[Slot], prompt: Prompt | None, candidate: Candidate
     for slot in slots:
         if not ok(slot):
             continue
-        held = (slot.pending or slot.content) if slot.busy else slot.content
+        taken = slot.taken
+        held = (slot.pending or slot.content) if taken else slot.content
         shared = common_prefix(held.chain, prompt.exact) if held is not None else 0
-        if slot.busy and shared > busy_shared and not slot.awaited:   # one request waits for a slot, not several
+        if taken and shared > busy_shared and not slot.awaited:   # one request waits for a slot, not several
             best, busy_shared = slot, shared
-        elif not slot.busy:
+        elif not taken:
             idle_shared = max(idle_shared, shared)
     disk = candidate.shared if candidate is not None else 0
     least = max(1, math.ceil(RESIDENT_MIN_SHARE * len(prompt.exact)))
     if best is not None and busy_shared >= least and busy_shared > max(idle_shared, disk):
-        idle_backends = {s.backend for s in slots if ok(s) and not s.busy}
+        idle_backends = {s.backend for s in slots if ok(s) and not s.taken}
         beside = idle_backends == {best.backend}   # going now means prefilling on that server, beside it
         gain, target = busy_shared - max(idle_shared, disk), best
         seconds = budget(target, gain, beside)
@@ -240,7 +249,7 @@ def wait_plan(slots: Sequence[Slot], prompt: Prompt | None, candidate: Candidate
             return WaitPlan(_only(target), seconds, target, lambda: budget(target, gain, beside))
     if candidate is not None and disk > idle_shared:
         readers = [s for s in slots if ok(s) and s.can_read(candidate)]
-        if readers and all(s.busy for s in readers):
+        if readers and all(s.taken for s in readers):
             seconds = budget(_soonest(readers), disk - idle_shared, False)
             if seconds > 0:
                 return WaitPlan(lambda s: s.can_read(candidate), seconds)
@@ -307,6 +316,15 @@ class _Waiter:
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
+class Claims(Protocol):
+    """Slot leases across replicas (`fleet.Fleet`, with REDIS_URL): a slot the pool hands out locally is claimed
+    before use; another replica's live lease on it makes the pool choose again."""
+
+    async def claim(self, slot: Slot) -> bool: ...
+
+    def released(self, slot: Slot) -> None: ...
+
+
 class SlotPool:
     """Hands out slots: at once when one is idle and nobody waits, else in arrival order as slots come free."""
 
@@ -314,9 +332,10 @@ class SlotPool:
         self.slots = list(slots)
         self.wait_timeout = wait_timeout
         self._waiters: deque[_Waiter] = deque()
+        self.claims: Claims | None = None   # set with REDIS_URL
 
     def idle(self, allowed: Callable[[Slot], bool] | None = None) -> list[Slot]:
-        return [s for s in self.slots if not s.busy and (allowed is None or allowed(s))]
+        return [s for s in self.slots if not s.taken and (allowed is None or allowed(s))]
 
     @property
     def waiting(self) -> int:
@@ -330,7 +349,37 @@ class SlotPool:
     async def acquire(self, want: Want, timeout: float | None = None, plan: WaitPlan | None = None) -> Choice:
         """Take a slot (among those `want.allowed`); raise SlotsBusy (503) when none comes free within the wait
         timeout (`timeout`, else the pool's). With a `plan` whose target's request progresses, the timeout is
-        decided again (`plan.recheck`), never beyond the first."""
+        decided again (`plan.recheck`), never beyond the first. With `claims` (REDIS_URL), the slot is claimed
+        across replicas before it is returned; one another replica holds is passed over (chosen again)."""
+        total = self.wait_timeout if timeout is None else timeout
+        if self.claims is None:
+            return await self._acquire(want, total, plan)
+        deadline = time.monotonic() + total
+        while True:
+            choice = await self._acquire(want, max(deadline - time.monotonic(), 0.0), plan)
+            believed = choice.slot.content
+            try:
+                ours = await self.claims.claim(choice.slot)
+            except BaseException:
+                want.given_back(choice)
+                self._unclaimed(choice.slot)
+                raise
+            if ours:
+                if choice.slot.content is believed:
+                    return choice
+                # the claim told what the slot really holds (another replica used it meanwhile): decide again
+                # what to do with this slot, now that it is ours
+                want.given_back(choice)
+                return want.choose([choice.slot])
+            want.given_back(choice)
+            self._unclaimed(choice.slot)   # marked `elsewhere` by the claim: not chosen again meanwhile
+
+    def _unclaimed(self, slot: Slot) -> None:
+        """A slot handed out here but not ours across replicas: idle again here, as it was."""
+        slot.busy = False
+        self.wake()
+
+    async def _acquire(self, want: Want, timeout: float, plan: WaitPlan | None) -> Choice:
         idle = self.idle(want.allowed)
         if idle and not self._waiters:
             return self._take(want.choose(idle))
@@ -342,7 +391,7 @@ class SlotPool:
         try:
             # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancel that lands just as the slot is
             # handed over, and the cancelled caller would keep a slot it never releases.
-            async with asyncio.timeout(self.wait_timeout if timeout is None else timeout) as deadline:
+            async with asyncio.timeout(timeout) as deadline:
                 if target is not None and recheck is not None:
                     loop, again = asyncio.get_running_loop(), recheck
                     bound = deadline.when() or loop.time()
@@ -398,14 +447,25 @@ class SlotPool:
             slot.last_used = time.monotonic()
         if content is not True:
             slot.content = content if isinstance(content, Content) else None
+        if self.claims is not None:
+            self.claims.released(slot)
         self.wake()
 
-    def take_idle(self, slot: Slot, force: bool = False) -> bool:
+    async def take_idle(self, slot: Slot, force: bool = False) -> bool:
         """Take this slot for lpcache's own work (an idle save) when it is idle and no request waits for a slot
-        (`force`: even then, for a save that cannot wait)."""
-        if slot.busy or (self._waiters and not force):
+        (`force`: even then, for a save that cannot wait), and, with `claims`, no other replica holds it."""
+        if slot.taken or (self._waiters and not force):
             return False
         slot.busy = True
+        if self.claims is not None:
+            try:
+                ours = await self.claims.claim(slot)
+            except BaseException:
+                self._unclaimed(slot)
+                raise
+            if not ours:
+                self._unclaimed(slot)
+                return False
         return True
 
     def _take(self, choice: Choice) -> Choice:

@@ -13,6 +13,7 @@ per token seen on this backend (canonical text is JSON-escaped: a little longer 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .identity import BLOCK_CHARS
@@ -82,6 +83,12 @@ class SpeedBook:
 
     def __init__(self) -> None:
         self._speeds: dict[tuple[int, str], Speeds] = {}
+        # With REDIS_URL (`fleet`): told after each measurement, to share it with the other replicas.
+        self.on_learnt: Callable[[int, str, Speeds], None] | None = None
+
+    def learnt(self, backend: int, model: str) -> None:
+        if self.on_learnt is not None:
+            self.on_learnt(backend, model, self.of(backend, model))
 
     def of(self, backend: int, model: str) -> Speeds:
         key = (backend, model)

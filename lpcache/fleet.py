@@ -1,0 +1,443 @@
+"""Several lpcache replicas as one (REDIS_URL): slot leases, and the cache map they share through Redis.
+
+Each replica keeps deciding alone, from its own memory, as fast as one process does; Redis makes that memory the
+same everywhere (docs/scale-out.md):
+
+- **Slot leases.** A slot the pool hands out is claimed (`claim`) before anything is sent to it: one Lua script takes
+  the lease (an expiry, a fencing token; renewed every third of SLOT_LEASE_MS while held) and reads what the slot
+  holds as its last holder left it. A slot another replica holds is passed over and marked `elsewhere` until its
+  lease's expiry, or until its holder gives it back. Giving it back (`released`) is one script too: the slot's new
+  content is written to the shared map and the lease deleted together, only while the lease is still this one's
+  (a holder that lost its lease writes nothing). So what a slot holds is known to whoever holds it next: the last
+  holder's word, when the last grant was that holder's; else (a holder that died mid-request) unknown.
+- **The shared map** (`shared_map.SharedMap`): the index of saved caches (`index`: each entry's meta document), what
+  each slot holds (`slots`), the sessions' files (`sessions`) and the learnt speeds (`speeds`), mirrored in every
+  replica's memory. This module turns the map's changes into the local objects' changes and back.
+- **Redis down.** Every replica keeps serving on its own: a claim is then a local decision (counted, warned once),
+  nothing shared is written, and when Redis is back each replica writes again what it holds (`republish`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from itertools import count
+from typing import Any
+
+import orjson
+from redis.exceptions import RedisError
+
+from .backends import Backend
+from .errors import SharedStoreDown
+from .index import MetaIndex
+from .leases import PREFIX, Holder, Lease, Leases, drift
+from .sessions import SessionBook, SessionInfo
+from .shared_map import SharedMap, connect
+from .slots import Content, Slot, SlotPool
+from .speeds import Rate, SpeedBook, Speeds
+
+log = logging.getLogger("lpcache.fleet")
+
+NAMESPACES = ("index", "slots", "sessions", "speeds")
+GRANTED = PREFIX + "granted"   # hash: slot name -> the last token granted on it
+CALL_TIMEOUT = 1.0             # seconds a lease call may take before Redis counts as down for it
+SPEEDS_EVERY = 5.0             # seconds between two publications of one backend's speeds
+
+# Claim: the lease (as leases._ACQUIRE does), the last token granted on this slot before, and the slot's state in the
+# map. KEYS: lease, token counter, granted hash, slots hash. ARGV: value after the token, ttl ms, slot name.
+_CLAIM = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return {0, redis.call('PTTL', KEYS[1])} end
+local token = redis.call('INCR', KEYS[2])
+local now = redis.call('TIME')
+local floor = tonumber(now[1]) * 1000000 + tonumber(now[2])
+if token < floor then
+  token = floor
+  redis.call('SET', KEYS[2], string.format('%.0f', token))
+end
+local text = string.format('%.0f', token)
+redis.call('SET', KEYS[1], text .. ' ' .. ARGV[1], 'PX', ARGV[2])
+local before = redis.call('HGET', KEYS[3], ARGV[3]) or ''
+redis.call('HSET', KEYS[3], ARGV[3], text)
+return {text, before, redis.call('HGET', KEYS[4], ARGV[3]) or ''}
+"""
+# Release: only while the lease is this one's, write the slot's state the shared map's way and delete the lease.
+# KEYS: lease, version counter, change stream, slots hash. ARGV: lease value, replica, maxlen, slot name, payload.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[1])
+local v = redis.call('INCR', KEYS[2])
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'ns', 'slots', 'key', ARGV[4], 'op', 'put',
+           'replica', ARGV[2], 'version', v)
+redis.call('HSET', KEYS[4], ARGV[4], v .. ':' .. ARGV[5])
+return v
+"""
+
+
+def content_doc(content: Content | None) -> dict[str, Any] | None:
+    """What another replica needs of a slot's content to choose slots and to save it before replacing it."""
+    if content is None:
+        return None
+    return {"key": content.key, "chain": list(content.chain), "saved": content.saved, "keep": content.keep,
+            "session": content.session, "model": content.model, "tokens": content.tokens,
+            "fingerprint": content.fingerprint}
+
+
+def content_of(doc: Any) -> Content | None:
+    """A slot's content as another replica described it (its prompt is not shared: an unsaved prefix cache of
+    another replica is not saved again here, only ever replaced)."""
+    if not isinstance(doc, dict):
+        return None
+    try:
+        session = doc.get("session")
+        return Content(str(doc["key"]), tuple(int(d) for d in doc["chain"]), saved=bool(doc.get("saved")),
+                       keep=bool(doc.get("keep")) and session is not None, session=session,
+                       model=str(doc.get("model") or ""),
+                       tokens=doc.get("tokens") if isinstance(doc.get("tokens"), int) else None,
+                       fingerprint=doc.get("fingerprint"))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+@dataclass(eq=False)
+class _Held:
+    lease: Lease
+    stop: asyncio.Event
+    keeper: asyncio.Task[None]
+
+
+@dataclass
+class FleetStats:
+    """For /metrics and the benchmark."""
+
+    redis_calls: int = 0          # round trips to Redis on a request's way (claims) and after it (releases)
+    redis_errors: int = 0         # calls that failed: Redis down or too slow
+    local_claims: int = 0         # slots taken without a lease because Redis was down
+    claims_refused: int = 0       # slots another replica held when this one chose them
+    claim_seconds: float = 0.0    # time spent in claims (added latency)
+
+
+class Fleet:
+    """This replica's part of the fleet: its leases, and the mirror of what every replica published."""
+
+    def __init__(self, url: str, replica: str, ttl_ms: int, backends: Sequence[Backend], pool: SlotPool,
+                 index: MetaIndex, sessions: SessionBook, speeds: SpeedBook,
+                 spawn: Callable[[Coroutine[Any, Any, Any]], None], prefix: str = "lpcache") -> None:
+        self.url = url
+        self.replica = replica
+        self.ttl_ms = ttl_ms
+        self.backends = list(backends)
+        self.pool = pool
+        self.index = index
+        self.sessions = sessions
+        self.speeds = speeds
+        self.spawn = spawn
+        self.client = connect(url)
+        self.leases = Leases(self.client, timeout=CALL_TIMEOUT)
+        self.map = SharedMap(self.client, NAMESPACES, replica, self.on_change, on_reconnect=self.republish,
+                             prefix=prefix)
+        self._claim = self.client.register_script(_CLAIM)
+        self._release = self.client.register_script(_RELEASE)
+        self._held: dict[Slot, _Held] = {}
+        self._releasing: dict[str, asyncio.Task[None]] = {}
+        self._fences: dict[str, int] = {}        # slot name -> the highest token whose state this replica applied
+        self._unpublished: set[tuple[str, str]] = set()   # (ns, key) whose write failed while Redis was down
+        self._speeds_at: dict[str, float] = {}
+        self._requests = count(1)
+        self._warned = False
+        self.stats = FleetStats()
+        index.publish = self.entry_changed
+        sessions.on_saved = self.session_saved
+        speeds.on_learnt = self.speeds_learnt
+        pool.claims = self
+
+    @property
+    def healthy(self) -> bool:
+        return self.map.healthy
+
+    async def start(self) -> None:
+        """Load the shared map (every replica's entries join the local index), then add this replica's own entries
+        Redis does not have (its META_DIR, read at start)."""
+        await self.map.start()
+        if not self.map.healthy:
+            log.warning("redis_unreachable url=%s: serving on local decisions until it answers", self.url)
+            return
+        missing = [(key, doc) for key, doc in await asyncio.to_thread(self.index.documents)
+                   if self.map.get("index", key) is None]
+        try:
+            for at in range(0, len(missing), 256):
+                await self.map.update("index", puts=dict(missing[at:at + 256]))
+        except SharedStoreDown as e:
+            log.warning("index_publish_failed entries=%d: %s", len(missing), e)
+        log.info("fleet_start replica=%s redis=%s shared_entries=%d published=%d", self.replica, self.url,
+                 self.map.count("index"), len(missing))
+
+    async def stop(self) -> None:
+        for slot in list(self._held):
+            self.released(slot)
+        if self._releasing:
+            await asyncio.wait(list(self._releasing.values()), timeout=2 * CALL_TIMEOUT)
+        await self.map.stop()
+        with contextlib.suppress(RedisError, OSError):
+            await self.client.aclose()
+
+    # ---- slots ----
+
+    async def claim(self, slot: Slot) -> bool:
+        """Take the slot's lease for this replica: True when it is this replica's now (or Redis is down: a local
+        decision), False when another replica's request holds it (the slot is then marked `elsewhere`)."""
+        releasing = self._releasing.get(slot.name)
+        if releasing is not None:   # this replica's own release of it is on its way
+            await asyncio.wait([releasing])
+        if not self.map.healthy:
+            self._local("redis down")
+            return True
+        started = time.perf_counter()
+        sent = time.monotonic()
+        holder = Holder(self.replica, f"{next(self._requests):x}")
+        call = asyncio.ensure_future(self._claim_call(slot, holder))
+        try:
+            answer = await asyncio.shield(call)
+        except asyncio.CancelledError:   # Redis may grant it all the same: give it back at once, not at its ttl
+            call.add_done_callback(lambda c: self._give_back_granted(c, slot, holder, sent))
+            raise
+        except SharedStoreDown as e:
+            self.stats.redis_errors += 1
+            self._local(str(e))
+            return True
+        finally:
+            self.stats.redis_calls += 1
+            self.stats.claim_seconds += time.perf_counter() - started
+        token = int(answer[0])
+        if not token:
+            self.stats.claims_refused += 1
+            slot.elsewhere, slot.elsewhere_until = "another replica", time.monotonic() + int(answer[1]) / 1000
+            return False
+        before, state = answer[1], answer[2]
+        lease = Lease(slot.name, holder, token, self.ttl_ms, sent + self.ttl_ms / 1000 - drift(self.ttl_ms))
+        self._learn_holding(slot, _text(before), _text(state))
+        self._fences[slot.name] = token   # what any replica wrote of the slot before this grant is older than now
+        stop = asyncio.Event()
+        keeper = asyncio.create_task(self.leases.keep(lease, stop), name=f"lease keeper {slot.name}")
+        self._held[slot] = _Held(lease, stop, keeper)
+        slot.elsewhere = None
+        return True
+
+    async def _claim_call(self, slot: Slot, holder: Holder) -> list[Any]:
+        try:
+            async with asyncio.timeout(CALL_TIMEOUT):
+                return await self._claim(  # type: ignore[no-any-return]
+                    keys=[PREFIX + slot.name, PREFIX + "token", GRANTED, self.map.keys_of("slots")[2]],
+                    args=[str(holder), self.ttl_ms, slot.name])
+        except (RedisError, OSError) as e:
+            raise SharedStoreDown(f"Redis did not answer a slot claim on {slot.name}: {e!r}") from e
+
+    def _give_back_granted(self, call: asyncio.Future[list[Any]], slot: Slot, holder: Holder, sent: float) -> None:
+        if call.cancelled() or call.exception() is not None:
+            return
+        token = int(call.result()[0])
+        if token:
+            lease = Lease(slot.name, holder, token, self.ttl_ms, sent)
+            self.spawn(self._quietly(self.leases.release(lease)))
+
+    def _learn_holding(self, slot: Slot, before: str, state: str) -> None:
+        """What the slot holds now that this replica has it: the map's state, when its writer was the last holder
+        granted the slot (else that holder died mid-request, or lost its lease: unknown). A state no holder wrote
+        yet leaves this replica's own belief."""
+        if not state:
+            return
+        version, _, payload = state.partition(":")
+        try:
+            doc = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            slot.content = None
+            return
+        written_by = doc.get("token") if isinstance(doc, dict) else None
+        if before and str(written_by) != before:
+            if slot.content is not None:
+                log.info("slot_content_unknown slot=%s: its last holder never said what it left (it stopped "
+                         "mid-request)", slot.name)
+            slot.content = None
+            return
+        self._fences[slot.name] = max(self._fences.get(slot.name, 0), int(written_by or 0))
+        if doc.get("replica") != self.replica or slot.content is None:
+            slot.content = content_of(doc.get("content"))
+
+    def released(self, slot: Slot) -> None:
+        """The pool gave the slot back: write what it holds and give the lease up, in one script, off the request's
+        way (a claim of the same slot by this replica waits for it)."""
+        held = self._held.pop(slot, None)
+        if held is None:
+            return
+        held.stop.set()
+        payload = orjson.dumps({"token": held.lease.token, "replica": self.replica,
+                                "content": content_doc(slot.content)})
+        task = asyncio.ensure_future(self._give_back(slot.name, held, payload))
+        self._releasing[slot.name] = task
+        task.add_done_callback(lambda t: self._releasing.pop(slot.name, None) if self._releasing.get(
+            slot.name) is t else None)
+
+    async def _give_back(self, name: str, held: _Held, payload: bytes) -> None:
+        lease = held.lease
+        lease.released = True
+        counter, stream, table = self.map.keys_of("slots")
+        try:
+            async with asyncio.timeout(CALL_TIMEOUT):
+                await self._release(keys=[PREFIX + name, counter, stream, table],
+                                    args=[lease.value, self.replica, self.map.maxlen, name, payload])
+            self._fences[name] = max(self._fences.get(name, 0), lease.token)
+        except (RedisError, OSError) as e:
+            self.stats.redis_errors += 1
+            log.warning("slot_release_failed slot=%s: %r; its lease lapses within %d ms", name, e, self.ttl_ms)
+        finally:
+            self.stats.redis_calls += 1
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait([held.keeper])
+
+    def valid(self, slot: Slot) -> bool:
+        """Whether this replica may still act on the slot (restore, save): its lease is live, or it took the slot
+        while Redis was down."""
+        held = self._held.get(slot)
+        return held is None or held.lease.valid()
+
+    def _local(self, why: str) -> None:
+        self.stats.local_claims += 1
+        if not self._warned:
+            self._warned = True
+            log.warning("slot_claims_local reason=%s: Redis is unreachable; slots are taken on this replica's "
+                        "word alone until it is back", why)
+
+    def _apply_slot(self, name: str, value: bytes | None) -> None:
+        slot = next((s for s in self.pool.slots if s.name == name), None)
+        if slot is None or slot.busy or value is None:
+            return
+        try:
+            doc = orjson.loads(value)
+        except orjson.JSONDecodeError:
+            return
+        token = doc.get("token") if isinstance(doc, dict) else None
+        if not isinstance(token, int) or token < self._fences.get(name, 0):
+            return   # older than what this replica already knows of the slot (a fenced, stale writer)
+        self._fences[name] = token
+        slot.content = content_of(doc.get("content"))
+        if slot.elsewhere is not None:
+            slot.elsewhere = None   # given back by its holder
+            self.pool.wake()
+
+    # ---- the index, sessions, speeds ----
+
+    def entry_changed(self, key: str, document: bytes | None) -> None:
+        """The index added (its meta document) or removed an entry: tell the other replicas."""
+        self.spawn(self._write("index", key, document))
+
+    def session_saved(self, info: SessionInfo) -> None:
+        doc = {"session": info.session, "route": info.route, "file": info.file, "owner": info.owner,
+               "file_bytes": info.file_bytes, "chain": list(info.saved_chain),
+               "homes": [self.backends[i].url for i in sorted(info.homes) if i < len(self.backends)]}
+        self.spawn(self._write("sessions", info.file, orjson.dumps(doc)))
+
+    def speeds_learnt(self, backend: int, model: str, speeds: Speeds) -> None:
+        """Publish a backend's speeds, at most every SPEEDS_EVERY seconds: a new replica starts with them."""
+        key = f"{self.backends[backend].url}\n{model}"
+        now = time.monotonic()
+        if now - self._speeds_at.get(key, -SPEEDS_EVERY) < SPEEDS_EVERY:
+            return
+        self._speeds_at[key] = now
+        doc = {**speeds.describe(), "chars_per_token": speeds.chars_per_token}
+        self.spawn(self._write("speeds", key, orjson.dumps(doc)))
+
+    async def _write(self, ns: str, key: str, value: bytes | None) -> None:
+        try:
+            if value is None:
+                await self.map.delete(ns, key)
+            else:
+                await self.map.put(ns, key, value)
+            self._unpublished.discard((ns, key))
+        except SharedStoreDown:
+            self.stats.redis_errors += 1
+            self._unpublished.add((ns, key))
+        finally:
+            self.stats.redis_calls += 1
+
+    async def republish(self, lost: bool) -> None:
+        """Redis answers again: write what failed meanwhile; when it lost its data, everything this replica knows
+        first-hand (the index entries it has meta files of, the slots it last held, its sessions)."""
+        if lost:
+            for key, document in await asyncio.to_thread(self.index.documents):
+                await self.map.put("index", key, document)
+            for slot in self.pool.slots:
+                if slot.content is not None and not slot.busy and slot.elsewhere is None:
+                    payload = orjson.dumps({"token": self._fences.get(slot.name, 0), "replica": self.replica,
+                                            "content": content_doc(slot.content)})
+                    await self.map.put("slots", slot.name, payload)
+            for info in self.sessions.all_owners():
+                if info.saved_chain:
+                    self.session_saved(info)
+            self._unpublished.clear()
+            return
+        for ns, key in sorted(self._unpublished):
+            if ns == "index":
+                found = await asyncio.to_thread(self.index.document, key)
+                await (self.map.put(ns, key, found) if found is not None else self.map.delete(ns, key))
+            elif ns == "sessions" and (known := self.sessions.get(key)) is not None:
+                self.session_saved(known)
+        self._unpublished.clear()
+
+    def on_change(self, ns: str, key: str, value: bytes | None) -> None:
+        """Another replica's change (or a reload's difference) into this replica's objects."""
+        if ns == "slots":
+            self._apply_slot(key, value)
+        elif ns == "index":
+            self.index.apply(key, value)
+        elif ns == "sessions":
+            self._apply_session(key, value)
+        elif ns == "speeds":
+            self._apply_speeds(key, value)
+
+    def _apply_session(self, file: str, value: bytes | None) -> None:
+        if value is None:
+            return
+        try:
+            doc = orjson.loads(value)
+            urls = set(doc.get("homes") or ())
+            info = self.sessions.known(file, str(doc["session"]), str(doc["route"]), doc.get("owner"))
+            info.saved_chain = tuple(int(d) for d in doc.get("chain") or ())
+            info.file_bytes = doc.get("file_bytes")
+            info.homes |= {b.index for b in self.backends if b.url in urls}
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+            log.debug("session_doc_skipped file=%s", file)
+
+    def _apply_speeds(self, key: str, value: bytes | None) -> None:
+        url, _, model = key.partition("\n")
+        backend = next((b for b in self.backends if b.url == url), None)
+        if backend is None or value is None:
+            return
+        try:
+            doc = orjson.loads(value)
+        except orjson.JSONDecodeError:
+            return
+        speeds = self.speeds.of(backend.index, model)
+        for name, rate in (("prefill", speeds.prefill), ("restore", speeds.restore),
+                           ("generate", speeds.generate), ("save", speeds.save)):
+            _adopt(rate, doc.get(f"{name}_ms_per_token"))
+        cpt = doc.get("chars_per_token")
+        if speeds.chars_per_token is None and isinstance(cpt, (int, float)) and cpt > 0:
+            speeds.chars_per_token = float(cpt)
+
+    @staticmethod
+    async def _quietly(call: Coroutine[Any, Any, Any]) -> None:
+        with contextlib.suppress(SharedStoreDown):
+            await call
+
+
+def _adopt(rate: Rate, value: Any) -> None:
+    """Another replica's measure of a rate this replica has not measured yet."""
+    if rate.ms_per_token is None and isinstance(value, (int, float)) and value > 0:
+        rate.ms_per_token = float(value)
+
+
+def _text(value: bytes | str | int) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
