@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
+import os
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
@@ -48,7 +50,9 @@ CALL_TIMEOUT = 1.0             # seconds a lease call may take before Redis coun
 SPEEDS_EVERY = 5.0             # seconds between two publications of one backend's speeds
 
 # Claim: the lease (as leases._ACQUIRE does), the last token granted on this slot before, and the slot's state in the
-# map. KEYS: lease, token counter, granted hash, slots hash. ARGV: value after the token, ttl ms, slot name.
+# map, which then says the slot is busy with this replica's request (written the shared map's way, so every mirror
+# learns it). KEYS: lease, token counter, granted hash, slots hash, version counter, change stream. ARGV: value
+# after the token, ttl ms, slot name, replica, maxlen, what the request will leave in the slot (JSON).
 _CLAIM = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return {0, redis.call('PTTL', KEYS[1])} end
 local token = redis.call('INCR', KEYS[2])
@@ -62,13 +66,20 @@ local text = string.format('%.0f', token)
 redis.call('SET', KEYS[1], text .. ' ' .. ARGV[1], 'PX', ARGV[2])
 local before = redis.call('HGET', KEYS[3], ARGV[3]) or ''
 redis.call('HSET', KEYS[3], ARGV[3], text)
-return {text, before, redis.call('HGET', KEYS[4], ARGV[3]) or ''}
+local state = redis.call('HGET', KEYS[4], ARGV[3]) or ''
+local v = redis.call('INCR', KEYS[5])
+redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[5], '*', 'ns', 'slots', 'key', ARGV[3], 'op', 'put',
+           'replica', ARGV[4], 'version', v)
+redis.call('HSET', KEYS[4], ARGV[3],
+           v .. ':{"token":' .. text .. ',"replica":"' .. ARGV[4] .. '","busy":true,"pending":' .. ARGV[6] .. '}')
+return {text, before, state}
 """
-# Release: only while the lease is this one's, write the slot's state the shared map's way and delete the lease.
-# KEYS: lease, version counter, change stream, slots hash. ARGV: lease value, replica, maxlen, slot name, payload.
+# Release (ARGV[6] "1"), or a new phase of the holder's work ("0"): only while the lease is this one's, write the
+# slot's state the shared map's way (and delete the lease). KEYS: lease, version counter, change stream, slots hash.
+# ARGV: lease value, replica, maxlen, slot name, payload, release.
 _RELEASE = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-redis.call('DEL', KEYS[1])
+if ARGV[6] == '1' then redis.call('DEL', KEYS[1]) end
 local v = redis.call('INCR', KEYS[2])
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'ns', 'slots', 'key', ARGV[4], 'op', 'put',
            'replica', ARGV[2], 'version', v)
@@ -125,8 +136,12 @@ class Fleet:
 
     def __init__(self, url: str, replica: str, ttl_ms: int, backends: Sequence[Backend], pool: SlotPool,
                  index: MetaIndex, sessions: SessionBook, speeds: SpeedBook,
-                 spawn: Callable[[Coroutine[Any, Any, Any]], None], prefix: str = "lpcache") -> None:
+                 spawn: Callable[[Coroutine[Any, Any, Any]], None], prefix: str = "lpcache",
+                 ring_files: int = 32) -> None:
         self.url = url
+        self.prefix = prefix
+        self.ring_files = ring_files
+        self._ring_local: dict[str, int] = {}
         self.replica = replica
         self.ttl_ms = ttl_ms
         self.backends = list(backends)
@@ -142,7 +157,7 @@ class Fleet:
         self._claim = self.client.register_script(_CLAIM)
         self._release = self.client.register_script(_RELEASE)
         self._held: dict[Slot, _Held] = {}
-        self._releasing: dict[str, asyncio.Task[None]] = {}
+        self._releasing: dict[str, asyncio.Event] = {}   # slot name -> set once its release is done
         self._fences: dict[str, int] = {}        # slot name -> the highest token whose state this replica applied
         self._unpublished: set[tuple[str, str]] = set()   # (ns, key) whose write failed while Redis was down
         self._speeds_at: dict[str, float] = {}
@@ -179,26 +194,27 @@ class Fleet:
         for slot in list(self._held):
             self.released(slot)
         if self._releasing:
-            await asyncio.wait(list(self._releasing.values()), timeout=2 * CALL_TIMEOUT)
+            await asyncio.wait([asyncio.ensure_future(e.wait()) for e in self._releasing.values()],
+                               timeout=2 * CALL_TIMEOUT)
         await self.map.stop()
         with contextlib.suppress(RedisError, OSError):
             await self.client.aclose()
 
     # ---- slots ----
 
-    async def claim(self, slot: Slot) -> bool:
+    async def claim(self, slot: Slot, pending: Content | None = None) -> bool:
         """Take the slot's lease for this replica: True when it is this replica's now (or Redis is down: a local
         decision), False when another replica's request holds it (the slot is then marked `elsewhere`)."""
         releasing = self._releasing.get(slot.name)
         if releasing is not None:   # this replica's own release of it is on its way
-            await asyncio.wait([releasing])
+            await releasing.wait()
         if not self.map.healthy:
             self._local("redis down")
             return True
         started = time.perf_counter()
         sent = time.monotonic()
         holder = Holder(self.replica, f"{next(self._requests):x}")
-        call = asyncio.ensure_future(self._claim_call(slot, holder))
+        call = asyncio.ensure_future(self._claim_call(slot, holder, pending))
         try:
             answer = await asyncio.shield(call)
         except asyncio.CancelledError:   # Redis may grant it all the same: give it back at once, not at its ttl
@@ -214,7 +230,7 @@ class Fleet:
         token = int(answer[0])
         if not token:
             self.stats.claims_refused += 1
-            slot.elsewhere, slot.elsewhere_until = "another replica", time.monotonic() + int(answer[1]) / 1000
+            self._elsewhere(slot, "another replica", int(answer[1]) / 1000)
             return False
         before, state = answer[1], answer[2]
         lease = Lease(slot.name, holder, token, self.ttl_ms, sent + self.ttl_ms / 1000 - drift(self.ttl_ms))
@@ -226,12 +242,14 @@ class Fleet:
         slot.elsewhere = None
         return True
 
-    async def _claim_call(self, slot: Slot, holder: Holder) -> list[Any]:
+    async def _claim_call(self, slot: Slot, holder: Holder, pending: Content | None) -> list[Any]:
+        counter, stream, table = self.map.keys_of("slots")
         try:
             async with asyncio.timeout(CALL_TIMEOUT):
                 return await self._claim(  # type: ignore[no-any-return]
-                    keys=[PREFIX + slot.name, PREFIX + "token", GRANTED, self.map.keys_of("slots")[2]],
-                    args=[str(holder), self.ttl_ms, slot.name])
+                    keys=[PREFIX + slot.name, PREFIX + "token", GRANTED, table, counter, stream],
+                    args=[str(holder), self.ttl_ms, slot.name, self.replica, self.map.maxlen,
+                          orjson.dumps(content_doc(pending))])
         except (RedisError, OSError) as e:
             raise SharedStoreDown(f"Redis did not answer a slot claim on {slot.name}: {e!r}") from e
 
@@ -256,7 +274,7 @@ class Fleet:
             slot.content = None
             return
         written_by = doc.get("token") if isinstance(doc, dict) else None
-        if before and str(written_by) != before:
+        if (before and str(written_by) != before) or doc.get("busy"):
             if slot.content is not None:
                 log.info("slot_content_unknown slot=%s: its last holder never said what it left (it stopped "
                          "mid-request)", slot.name)
@@ -275,27 +293,55 @@ class Fleet:
         held.stop.set()
         payload = orjson.dumps({"token": held.lease.token, "replica": self.replica,
                                 "content": content_doc(slot.content)})
-        task = asyncio.ensure_future(self._give_back(slot.name, held, payload))
-        self._releasing[slot.name] = task
-        task.add_done_callback(lambda t: self._releasing.pop(slot.name, None) if self._releasing.get(
-            slot.name) is t else None)
+        done = self._releasing[slot.name] = asyncio.Event()
+        self.spawn(self._give_back(slot.name, held, payload, done))
 
-    async def _give_back(self, name: str, held: _Held, payload: bytes) -> None:
+    async def _give_back(self, name: str, held: _Held, payload: bytes, done: asyncio.Event) -> None:
         lease = held.lease
         lease.released = True
         counter, stream, table = self.map.keys_of("slots")
         try:
             async with asyncio.timeout(CALL_TIMEOUT):
                 await self._release(keys=[PREFIX + name, counter, stream, table],
-                                    args=[lease.value, self.replica, self.map.maxlen, name, payload])
+                                    args=[lease.value, self.replica, self.map.maxlen, name, payload, "1"])
             self._fences[name] = max(self._fences.get(name, 0), lease.token)
         except (RedisError, OSError) as e:
             self.stats.redis_errors += 1
             log.warning("slot_release_failed slot=%s: %r; its lease lapses within %d ms", name, e, self.ttl_ms)
         finally:
             self.stats.redis_calls += 1
+            done.set()
+            if self._releasing.get(name) is done:
+                del self._releasing[name]
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.wait([held.keeper])
+
+    def _elsewhere(self, slot: Slot, replica: str, seconds: float) -> None:
+        """Another replica holds the slot, for `seconds` at most (its lease's time left): the requests waiting here
+        are woken when that passes (its holder may be gone: its lease lapses, nobody gives the slot back)."""
+        slot.elsewhere, slot.elsewhere_until = replica, time.monotonic() + max(seconds, 0.0)
+        asyncio.get_running_loop().call_later(max(seconds, 0.0) + 0.01, self.pool.wake)
+
+    def saving(self, slot: Slot) -> None:
+        """The request in the slot is over and its cache is being saved: the other replicas' requests for what it
+        holds may wait for it (`slots.wait_plan`: a slot being saved is worth waiting for)."""
+        held = self._held.get(slot)
+        if held is None:
+            return
+        payload = orjson.dumps({"token": held.lease.token, "replica": self.replica, "busy": True, "phase": "save",
+                                "pending": content_doc(slot.pending)})
+        self.spawn(self._phase(slot.name, held, payload))
+
+    async def _phase(self, name: str, held: _Held, payload: bytes) -> None:
+        counter, stream, table = self.map.keys_of("slots")
+        try:
+            async with asyncio.timeout(CALL_TIMEOUT):
+                await self._release(keys=[PREFIX + name, counter, stream, table],
+                                    args=[held.lease.value, self.replica, self.map.maxlen, name, payload, "0"])
+        except (RedisError, OSError):
+            self.stats.redis_errors += 1
+        finally:
+            self.stats.redis_calls += 1
 
     def valid(self, slot: Slot) -> bool:
         """Whether this replica may still act on the slot (restore, save): its lease is live, or it took the slot
@@ -322,10 +368,36 @@ class Fleet:
         if not isinstance(token, int) or token < self._fences.get(name, 0):
             return   # older than what this replica already knows of the slot (a fenced, stale writer)
         self._fences[name] = token
-        slot.content = content_of(doc.get("content"))
+        if doc.get("busy"):   # claimed: by another replica (this one's own claims are applied when made)
+            if doc.get("replica") != self.replica:
+                self._elsewhere(slot, str(doc.get("replica")), self.ttl_ms / 1000)
+                slot.pending = content_of(doc.get("pending"))
+                slot.phase = str(doc.get("phase") or "")
+            return
+        slot.content, slot.pending, slot.phase = content_of(doc.get("content")), None, ""
         if slot.elsewhere is not None:
             slot.elsewhere = None   # given back by its holder
             self.pool.wake()
+
+    # ---- backends whose folder lpcache cannot see ----
+
+    async def ring_name(self, backend: Backend) -> str | None:
+        """The next name of the backend's ring of RING_FILES file names, when lpcache cannot see its slot-save
+        folder (another host: lpcache cannot delete there); None when it can. The position is one counter in Redis
+        shared by every replica (this replica's own while Redis is down), so the backend holds at most RING_FILES
+        prefix-cache files whoever saved them."""
+        folder = backend.config.slot_save_path
+        visible: bool = bool(folder) and await asyncio.to_thread(os.path.isdir, folder or "")
+        if visible:
+            return None
+        try:
+            async with asyncio.timeout(CALL_TIMEOUT):
+                position = int(await self.client.incr(f"{self.prefix}:ring:{backend.url}"))
+        except (RedisError, OSError):
+            self.stats.redis_errors += 1
+            position = self._ring_local[backend.url] = self._ring_local.get(backend.url, 0) + 1
+        self.stats.redis_calls += 1
+        return ring_file(backend.url, position % self.ring_files)
 
     # ---- the index, sessions, speeds ----
 
@@ -431,6 +503,12 @@ class Fleet:
     async def _quietly(call: Coroutine[Any, Any, Any]) -> None:
         with contextlib.suppress(SharedStoreDown):
             await call
+
+
+def ring_file(url: str, position: int) -> str:
+    """A ring file name: 64 hex digits, like every prefix cache's, so the index, the limits and `reconcile` treat
+    it like one."""
+    return hashlib.sha256(f"lpcache ring\n{url}\n{position}".encode()).hexdigest()
 
 
 def _adopt(rate: Rate, value: Any) -> None:

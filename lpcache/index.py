@@ -798,6 +798,14 @@ class MetaIndex:
         finally:
             self._applying = False
 
+    def overwritten(self, key: str) -> None:
+        """A save is about to write over the file `key` (a ring name, `saving.Saver.file_name`): its entry goes
+        (told to the other replicas), its file stays for the save to replace."""
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._remove(entry)
+            self._io.submit(_unlink, self._meta_path(key))
+
     def document(self, key: str) -> bytes | None:
         """The meta document of an entry, as its meta file has it (None: no entry, or no file here)."""
         if key not in self._entries:

@@ -66,6 +66,25 @@ class _Live(Collector):
                                   "restored caches", value=p.reuse.turned_off)
         yield GaugeMetricFamily("lpcache_cache_bytes", "Bytes of the saved prefix caches, as the servers reported "
                                 "them", value=p.index.total_bytes)
+        fleet = p.fleet
+        if fleet is not None:   # REDIS_URL
+            stats = fleet.stats
+            yield GaugeMetricFamily("lpcache_redis_up", "1 while the shared map follows Redis, 0 while this replica "
+                                    "decides alone (REDIS_URL)", value=1.0 if fleet.healthy else 0.0)
+            yield CounterMetricFamily("lpcache_redis_calls", "Round trips to Redis for slot claims, releases and "
+                                      "shared writes", value=stats.redis_calls)
+            yield CounterMetricFamily("lpcache_redis_errors", "Redis calls that failed (down or too slow)",
+                                      value=stats.redis_errors)
+            yield CounterMetricFamily("lpcache_redis_claim_seconds", "Time requests spent claiming slot leases "
+                                      "(the latency Redis adds on a request's way)", value=stats.claim_seconds)
+            claims = CounterMetricFamily("lpcache_slot_claims", "Slot claims by outcome: refused (another replica "
+                                         "held it), local (Redis down: taken on this replica's word)",
+                                         labels=["outcome"])
+            claims.add_metric(["refused"], stats.claims_refused)
+            claims.add_metric(["local"], stats.local_claims)
+            yield claims
+            yield GaugeMetricFamily("lpcache_shared_entries", "Index entries in the shared map's local mirror",
+                                    value=fleet.map.count("index"))
 
 
 class Metrics:

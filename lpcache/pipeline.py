@@ -76,7 +76,9 @@ class Pipeline:
         """REDIS_URL: share the cache map and take slot leases with the other replicas (`fleet`)."""
         assert self.settings.redis_url
         self.fleet = Fleet(self.settings.redis_url, self.settings.replica_id, self.settings.slot_lease_ms,
-                           self.backends, self.pool, self.index, self.sessions, self.speeds, self.spawn)
+                           self.backends, self.pool, self.index, self.sessions, self.speeds, self.spawn,
+                           ring_files=self.settings.ring_files)
+        self.saver.ring = self.fleet.ring_name
         return self.fleet
 
     def _limits(self, backend: Backend) -> Callable[[str], Limits]:

@@ -53,6 +53,7 @@ class RequestRecord:
     restored_tokens: int | None = None # tokens the restore put in the slot
     restore_share: float | None = None # share of the prompt's blocks the restored cache held
     restore_reused: bool | None = None # False: the server re-computed the prompt anyway (see Pipeline.check_reuse)
+    route: str | None = None           # why this slot: resident, restore, session, server_ram, prefill (`slot_fill`)
     restore_skipped: bool | None = None  # True: a prefill was faster at this backend's speeds (lpcache.speeds)
     restore_exact: bool | None = None  # the restored file's content matched the prompt exactly (not a word guess)
     restore_expected: float | None = None  # tokens the restore should have brought (judged against cache_n)

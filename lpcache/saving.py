@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -80,6 +80,21 @@ class Saver:
         self.idle_saves: dict[Slot, asyncio.Task[None]] = {}
         self.background = BackgroundSaves()
         self.server_caches = ServerCaches()
+        # With REDIS_URL: the next name of a backend's ring of file names, for a backend whose slot-save folder
+        # lpcache cannot see (`fleet.Fleet.ring_name`); None: the prompt's own name.
+        self.ring: Callable[[Backend], Awaitable[str | None]] | None = None
+
+    async def file_name(self, backend: Backend, content: Content) -> Content:
+        """The name a prefix cache is saved under: its own, or on a backend whose folder lpcache cannot see (and
+        so cannot prune), the next of that backend's ring of RING_FILES names, whose previous entry is dropped:
+        the save overwrites its file."""
+        if self.ring is None or content.session is not None:
+            return content
+        name = await self.ring(backend)
+        if name is None or name == content.key:
+            return content
+        self.index.overwritten(name)
+        return replace(content, key=name)
 
     # ---- after a request ----
 
@@ -134,8 +149,10 @@ class Saver:
             if content is not None and prefilled:
                 self.server_caches.held(backend.index, content.chain)
             if (content is not None and content.keep and big and self.settings.save_policy == "eager"
-                    and self.enabled(backend, prompt.model)):
+                    and self.enabled(backend, prompt.model) and self.pool.ours(choice.slot)):
                 choice.slot.phase = "save"
+                if self.pool.claims is not None:
+                    self.pool.claims.saving(choice.slot)
                 save_s = self.speeds.of(backend.index, RouterModels.served(backend, prompt.model)).save.seconds(
                     content.tokens or 0)
                 choice.slot.free_at = None if save_s is None else time.monotonic() + save_s
@@ -174,6 +191,7 @@ class Saver:
         attempts = 1 + self.settings.save_retries
         model = RouterModels.slot_model(backend, prompt.model)
         result: SlotAction | None = None
+        content = await self.file_name(backend, content)
         await self.index.saving(content.key, backend.config.slot_save_path)   # reconciled at start if we stop here
         for attempt in range(1, attempts + 1):
             try:
@@ -216,6 +234,9 @@ class Saver:
         model = RouterModels.slot_model(backend, held.model)
         if not await swap.wait_idle(backend.client, slot.id, model):
             return False
+        renamed = await self.file_name(backend, held)
+        if renamed is not held:
+            slot.content = held = renamed
         if held.session is None:
             await self.index.saving(held.key, backend.config.slot_save_path)   # reconciled at start if we stop here
         try:

@@ -85,6 +85,19 @@ def beside_wait(slot: Slot, mine: float, blocks: int, speeds: Speeds) -> float:
     return left * per_token + benefit
 
 
+def route_of(choice: Choice, want: Content | None) -> str:
+    """Why the request got its slot, for its record: the slot holds its prefix (`resident`), a saved cache is
+    restored into it (`restore`), its session's (`session`), the server's RAM cache likely has it (`server_ram`), or
+    nothing cached anywhere helps and the least-loaded backend computes it (`prefill`)."""
+    if want is not None:
+        return "session"
+    if choice.restore is not None:
+        return "restore"
+    if choice.resident:
+        return "resident"
+    return "server_ram" if choice.warm else "prefill"
+
+
 class SlotFiller:
     def __init__(self, settings: Settings, backends: Sequence[Backend], pool: SlotPool, index: MetaIndex,
                  sessions: SessionBook, speeds: SpeedBook, reuse: ReuseWatch, routers: RouterModels,
@@ -212,6 +225,7 @@ class SlotFiller:
         choice.slot.computing = max(0, len(choice.slot.pending.chain) - brought)
         record.backend, record.slot = self.backends[choice.slot.backend].url, choice.slot.id
         record.restore_skipped = choice.skipped or None
+        record.route = ("waited_" if planned else "") + route_of(choice, want)
         if choice.restore is not None:
             c = choice.restore
             log.info("restore_candidate key=%s shared_blocks=%d of=%d ratio=%.3f exact=%s", c.entry.key[:16],
@@ -267,7 +281,10 @@ class SlotFiller:
             if held is not None and (held.dirty or (resavable(held) and held.key not in self.index)) and (
                     restoring or common_prefix(held.chain, prompt.exact) < len(held.chain)):
                 await self.saver.save_held(backend, slot, held, record)
-            if restoring:
+            if restoring and not self.pool.ours(slot):
+                log.warning("restore_skipped_lease slot=%s: the slot's lease lapsed; its prompt is computed",
+                            slot.name)
+            elif restoring:
                 await self.restore(choice, backend, prompt, record)
         finally:
             self.release_choice(choice)

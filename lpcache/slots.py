@@ -12,7 +12,7 @@ import asyncio
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -92,6 +92,7 @@ class Choice:
     restore: Candidate | None = None
     resident: int = 0       # identity blocks of the prompt the slot already holds
     skipped: bool = False   # a saved cache held more, but restoring it would take longer than the prefill
+    warm: bool = False      # taken because the server's RAM prompt cache likely holds the prompt
 
 
 Pays = Callable[[Slot, Candidate, int], bool]
@@ -99,7 +100,8 @@ Pays = Callable[[Slot, Candidate, int], bool]
 
 def choose(idle: Sequence[Slot], prompt: Prompt | None, candidate: Candidate | None,
            session: str | None = None, homes: frozenset[int] = frozenset(), pays: Pays | None = None,
-           warm: tuple[int, int, bool] | None = None, kept: Callable[[str], bool] | None = None) -> Choice:
+           warm: tuple[int, int, bool] | None = None, kept: Callable[[str], bool] | None = None,
+           load: Mapping[int, int] | None = None) -> Choice:
     """Pick among idle slots.
 
     0. In session mode (`session`: the session's file name): the slot that holds the session, else the least
@@ -114,33 +116,35 @@ def choose(idle: Sequence[Slot], prompt: Prompt | None, candidate: Candidate | N
        `server_cache`) has an idle slot that holds something else, which is taken instead (a pinned request there
        makes the server look in RAM).
     3. Else a never-used slot, else the least recently used one.
+    Among slots that would compute (a restore's target, a prefill's), those of the least-loaded backend first
+    (`load`: slots taken per backend, here and by other replicas): its compute is shared by fewer requests.
     """
     if session is not None:
         for slot in idle:
             if slot.content is not None and slot.content.key == session:
                 return Choice(slot, None, len(slot.content.chain))
         at_home = [s for s in idle if s.backend in homes]
-        return Choice(_coldest(at_home or idle), None, 0)
+        return Choice(_coldest(at_home or idle, load), None, 0)
     best_slot, best_shared = resident(idle, prompt)
     ram = _warm_slot(idle, prompt, warm, best_shared)
     if ram is not None and warm is not None and warm[2] and candidate is not None and warm[1] >= candidate.shared:
-        return Choice(ram, None, 0)   # the server's RAM has it (it was seen serving from RAM): no disk restore
+        return Choice(ram, None, 0, warm=True)   # the server's RAM has it (seen serving from RAM): no disk restore
     if candidate is not None and candidate.shared > best_shared:
         readers = [s for s in idle if s.can_read(candidate)]
         if readers:
             spare = [s for s in readers if s.content is None or kept is None or kept(s.content.key)
                      or (s.content.session is not None and s.content.saved)]
-            target = _coldest(spare or readers)
+            target = _coldest(spare or readers, load)
             if pays is None or pays(target, candidate, candidate.shared - best_shared):
                 return Choice(target, candidate, 0)
             if best_slot is not None:
                 return Choice(best_slot, None, best_shared, skipped=True)
-            return Choice(_coldest(idle), None, 0, skipped=True)
+            return Choice(_coldest(idle, load), None, 0, skipped=True)
     if ram is not None:
-        return Choice(ram, None, 0)
+        return Choice(ram, None, 0, warm=True)
     if best_slot is not None:
         return Choice(best_slot, None, best_shared)
-    return Choice(_coldest(idle), None, 0)
+    return Choice(_coldest(idle, load), None, 0)
 
 
 def _warm_slot(idle: Sequence[Slot], prompt: Prompt | None, warm: tuple[int, int, bool] | None,
@@ -265,9 +269,10 @@ def _soonest(slots: Sequence[Slot]) -> Slot:
     return min(slots, key=lambda s: (s.free_at is None, s.free_at or 0.0, s.backend, s.id))
 
 
-def _coldest(slots: Sequence[Slot]) -> Slot:
-    """A never-used slot first, else the least recently used; ties go to the lowest backend, then slot id."""
-    return min(slots, key=lambda s: (s.used, s.last_used, s.backend, s.id))
+def _coldest(slots: Sequence[Slot], load: Mapping[int, int] | None = None) -> Slot:
+    """A slot of the least-loaded backend (`load`), then a never-used one, else the least recently used; ties go to
+    the lowest backend, then slot id."""
+    return min(slots, key=lambda s: (load.get(s.backend, 0) if load else 0, s.used, s.last_used, s.backend, s.id))
 
 
 Lookup = Callable[[], Candidate | None]
@@ -294,9 +299,9 @@ class Want:
     warm: Callable[[], tuple[int, int, bool] | None] | None = None   # the server whose RAM likely holds it
     kept: Callable[[str], bool] | None = None        # whether a cache's file is on disk
 
-    def choose(self, idle: Sequence[Slot]) -> Choice:
+    def choose(self, idle: Sequence[Slot], load: Mapping[int, int] | None = None) -> Choice:
         choice = choose(idle, self.prompt, self.lookup(), self.session, self.homes, self.pays,
-                        self.warm() if self.warm is not None else None, self.kept)
+                        self.warm() if self.warm is not None else None, self.kept, load)
         if choice.restore is not None and self.protect is not None:
             self.protect(choice.restore.entry.key)   # on the event loop, before anything else can prune it
         return choice
@@ -304,6 +309,12 @@ class Want:
     def given_back(self, choice: Choice) -> None:
         if choice.restore is not None and self.unprotect is not None:
             self.unprotect(choice.restore.entry.key)
+
+    def pending(self) -> Content | None:
+        """What the request will leave in its slot (told to the other replicas when it claims the slot)."""
+        if self.prompt is None:
+            return None
+        return Content(self.session or self.prompt.key, self.prompt.exact, session=self.session)
 
     def only(self, wanted: Callable[[Slot], bool]) -> Want:
         allowed = self.allowed
@@ -320,9 +331,13 @@ class Claims(Protocol):
     """Slot leases across replicas (`fleet.Fleet`, with REDIS_URL): a slot the pool hands out locally is claimed
     before use; another replica's live lease on it makes the pool choose again."""
 
-    async def claim(self, slot: Slot) -> bool: ...
+    async def claim(self, slot: Slot, pending: Content | None = None) -> bool: ...
 
     def released(self, slot: Slot) -> None: ...
+
+    def valid(self, slot: Slot) -> bool: ...
+
+    def saving(self, slot: Slot) -> None: ...
 
 
 class SlotPool:
@@ -333,9 +348,25 @@ class SlotPool:
         self.wait_timeout = wait_timeout
         self._waiters: deque[_Waiter] = deque()
         self.claims: Claims | None = None   # set with REDIS_URL
+        # When a list (tests): (slot name, wall-clock time, "take" or "give") as this replica starts and stops
+        # using a slot; with `claims`, "take" once the slot is claimed.
+        self.trace: list[tuple[str, float, str]] | None = None
 
     def idle(self, allowed: Callable[[Slot], bool] | None = None) -> list[Slot]:
         return [s for s in self.slots if not s.taken and (allowed is None or allowed(s))]
+
+    def ours(self, slot: Slot) -> bool:
+        """Whether this replica may still act on a slot it holds (restore into it, save from it): with `claims`,
+        its lease has not lapsed (a replica cut from Redis longer than the lease's expiry stops writing)."""
+        return self.claims is None or self.claims.valid(slot)
+
+    def load(self) -> dict[int, int]:
+        """Slots taken per backend (busy here, or held by another replica)."""
+        taken: dict[int, int] = {}
+        for s in self.slots:
+            if s.taken:
+                taken[s.backend] = taken.get(s.backend, 0) + 1
+        return taken
 
     @property
     def waiting(self) -> int:
@@ -353,26 +384,31 @@ class SlotPool:
         across replicas before it is returned; one another replica holds is passed over (chosen again)."""
         total = self.wait_timeout if timeout is None else timeout
         if self.claims is None:
-            return await self._acquire(want, total, plan)
+            return self._traced(await self._acquire(want, total, plan))
         deadline = time.monotonic() + total
         while True:
             choice = await self._acquire(want, max(deadline - time.monotonic(), 0.0), plan)
             believed = choice.slot.content
             try:
-                ours = await self.claims.claim(choice.slot)
+                ours = await self.claims.claim(choice.slot, want.pending())
             except BaseException:
                 want.given_back(choice)
                 self._unclaimed(choice.slot)
                 raise
             if ours:
                 if choice.slot.content is believed:
-                    return choice
+                    return self._traced(choice)
                 # the claim told what the slot really holds (another replica used it meanwhile): decide again
                 # what to do with this slot, now that it is ours
                 want.given_back(choice)
-                return want.choose([choice.slot])
+                return self._traced(want.choose([choice.slot], self.load()))
             want.given_back(choice)
             self._unclaimed(choice.slot)   # marked `elsewhere` by the claim: not chosen again meanwhile
+
+    def _traced(self, choice: Choice) -> Choice:
+        if self.trace is not None:
+            self.trace.append((choice.slot.name, time.time(), "take"))
+        return choice
 
     def _unclaimed(self, slot: Slot) -> None:
         """A slot handed out here but not ours across replicas: idle again here, as it was."""
@@ -382,7 +418,7 @@ class SlotPool:
     async def _acquire(self, want: Want, timeout: float, plan: WaitPlan | None) -> Choice:
         idle = self.idle(want.allowed)
         if idle and not self._waiters:
-            return self._take(want.choose(idle))
+            return self._take(want.choose(idle, self.load()))
         waiter = _Waiter(want)
         self._waiters.append(waiter)
         self.wake()
@@ -439,6 +475,8 @@ class SlotPool:
         served no request (an idle save), so it keeps its place in the least-recently-used order."""
         if not slot.busy:
             return
+        if self.trace is not None:
+            self.trace.append((slot.name, time.time(), "give"))
         slot.busy = False
         slot.pending = None
         slot.phase, slot.free_at = "", None
@@ -466,6 +504,8 @@ class SlotPool:
             if not ours:
                 self._unclaimed(slot)
                 return False
+        if self.trace is not None:
+            self.trace.append((slot.name, time.time(), "take"))
         return True
 
     def _take(self, choice: Choice) -> Choice:
@@ -486,7 +526,7 @@ class SlotPool:
                     return
                 continue
             self._waiters.remove(waiter)
-            waiter.future.set_result(self._take(waiter.want.choose(idle)))
+            waiter.future.set_result(self._take(waiter.want.choose(idle, self.load())))
 
 
 class Lease:

@@ -370,6 +370,7 @@ def _recent_entry(record: Any, started: float) -> dict[str, Any]:
     cached = cached if cached is not None else _int(g("cache_n"))
     return {
         "time": started, "method": g("method"), "path": g("path"), "api": g("api"), "status": g("status"),
+        "route": g("route"),
         "model": g("model"),
         "stream": g("stream"), "backend": g("backend"), "slot": g("slot"), "restored": g("restored"),
         "cache_hit": g("cache_hit"), "coalesced": g("coalesced"), "saved": g("saved"), "reason": g("reason"),

@@ -78,9 +78,12 @@ _GETTERS: dict[str, Callable[[RequestRecord], Any]] = {
     # Known but not in the default (the default is the Rust lpcache's 28 fields, for the log readers written for
     # it): the API of the request (chat, responses, messages, completions, infill; - for other routes).
     "lpcache-api": lambda r: r.api,
+    # ... and why its slot was chosen (resident, restore, session, server_ram, prefill; waited_: after a wait for a
+    # busy slot; docs/operations.md "Why a request went where it went").
+    "lpcache-route": lambda r: r.route,
 }
 
-FIELDS: tuple[str, ...] = tuple(name for name in _GETTERS if name != "lpcache-api")
+FIELDS: tuple[str, ...] = tuple(name for name in _GETTERS if name not in ("lpcache-api", "lpcache-route"))
 KNOWN: tuple[str, ...] = tuple(_GETTERS)
 _BY_LOWER = {name.lower(): name for name in KNOWN}
 

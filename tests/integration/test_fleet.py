@@ -37,6 +37,9 @@ def test_a_turn_through_the_other_replica_uses_the_cache_the_first_one_left(
     a.wait_finished(1)
     record_a = a.records[0]
     assert record_a.saved, "turn 1 is big: saved"
+    slot = next(s for s in b.pipeline.pool.slots if s.id == record_a.slot)
+    assert b.run(_wait_for(lambda: slot.content is not None and slot.content.saved and not slot.taken)), \
+        "B's mirror has what A left in the slot"
     # turn 2 through B: the same prefix and a new user message
     answer = first.json()["choices"][0]["message"]["content"]
     body2 = {**body, "messages": [*body["messages"], {"role": "assistant", "content": answer},
@@ -107,3 +110,137 @@ async def _wait_for(check: Any, timeout: float = 10.0) -> bool:
             return False
         await asyncio.sleep(0.01)
     return True
+
+
+def test_a_backend_whose_folder_lpcache_cannot_see_keeps_ring_files_at_most(
+        start_backend: Any, start_proxy: Any, redis_server: RedisServer, tmp_path: Any, slot_dir: str) -> None:
+    from lpcache.config import BackendConfig
+    from lpcache.fleet import ring_file
+
+    backend = start_backend(slots=1)
+    remote = BackendConfig(backend.url, None, None)   # lpcache is not told the folder: as on another host
+    a, b = [start_proxy(remote, redis_url=redis_server.url, replica_id=f"r{i}", ring_files=3,
+                        meta_dir=os.path.join(tmp_path, f"meta{i}")) for i in range(2)]
+    ring = {ring_file(backend.url, i) for i in range(3)}
+    bodies = [chats.request(200 + i, 300) for i in range(7)]
+    for i, body in enumerate(bodies):
+        proxy = (a, b)[i % 2]
+        assert proxy.post(body).status_code == 200
+        proxy.settle()
+    on_disk = {name for name in os.listdir(slot_dir) if len(name) == 64}
+    assert on_disk <= ring and len(on_disk) == 3, on_disk
+    for proxy in (a, b):
+        assert proxy.run(_wait_for(lambda p=proxy: set(p.pipeline.index._entries) <= ring
+                                   and len(p.pipeline.index) == 3)), sorted(proxy.pipeline.index._entries)
+    # the last one saved is restored through the other replica after another prompt took the slot
+    assert a.post(chats.request(300, 300)).status_code == 200
+    a.settle()
+    assert b.post(bodies[-1]).status_code == 200
+    b.settle()
+    last = b.records[-1]
+    assert last.restored and last.restore_file in ring and last.cache_hit, last
+
+
+def test_replicas_serve_while_redis_is_down_and_share_again_once_it_is_back(
+        start_backend: Any, start_proxy: Any, redis_server: RedisServer, tmp_path: Any) -> None:
+    backend = start_backend(slots=2)
+    a, b = replicas(start_proxy, [backend], redis_server, tmp_path)
+    assert a.post(chats.request(400, 300)).status_code == 200
+    a.settle()
+    redis_server.kill()   # gone with its data
+    for i in range(6):
+        proxy = (a, b)[i % 2]
+        r = proxy.post(chats.request(410 + i % 3, 300))
+        assert r.status_code == 200, r.text
+        proxy.settle()
+    fleets = [p.pipeline.fleet for p in (a, b)]
+    assert all(f is not None and not f.healthy for f in fleets)
+    assert sum(f.stats.local_claims for f in fleets if f) >= 1
+    metrics = a.client.get("/metrics").text
+    assert "lpcache_redis_up 0.0" in metrics
+    redis_server.restart()   # empty: each replica writes again what it knows
+    assert a.run(_wait_for(lambda: fleets[0].healthy, 20)) and b.run(_wait_for(lambda: fleets[1].healthy, 20))
+    saved_by_a = {r.save_file for r in a.records if r.saved}
+    assert b.run(_wait_for(lambda: saved_by_a <= set(b.pipeline.index._entries), 20)), \
+        "A's entries are in B's mirror again"
+    body = chats.request(400, 300)
+    assert b.post(chats.request(420, 300)).status_code == 200
+    b.settle()
+    r = b.post(body)
+    assert r.status_code == 200
+    b.settle()
+    assert b.records[-1].cache_hit, b.records[-1]
+    assert "lpcache_redis_up 1.0" in a.client.get("/metrics").text
+
+
+def test_a_replica_killed_mid_request_frees_its_slot_within_the_lease_and_the_retry_is_served(
+        redis_server: RedisServer, tmp_path: Any) -> None:
+    import json
+    import threading
+
+    from lpcache.testing import LpcacheProcess, MockProcess
+
+    folder = os.path.join(tmp_path, "slots")
+    os.makedirs(folder)
+    mock = MockProcess(folder, n_slots=1, extra=["--gen-ms-per-token", "40"])
+    common = {"BACKENDS": json.dumps([{"url": mock.url, "slot_save_path": folder}]), "REDIS_URL": redis_server.url,
+              "SLOT_LEASE_MS": "2000", "BIG_THRESHOLD_WORDS": "50", "WORDS_PER_BLOCK": "10", "LOG_LEVEL": "INFO"}
+    a = LpcacheProcess({**common, "REPLICA_ID": "a", "META_DIR": os.path.join(tmp_path, "meta-a")})
+    b = LpcacheProcess({**common, "REPLICA_ID": "b", "META_DIR": os.path.join(tmp_path, "meta-b")})
+    try:
+        long = {**chats.request(500, 300), "max_tokens": 400, "stream": True}
+        first_chunk = threading.Event()
+
+        def stream_through_a() -> None:
+            try:
+                with httpx.stream("POST", a.url + "/v1/chat/completions", json=long, timeout=60) as r:
+                    for _ in r.iter_bytes():
+                        first_chunk.set()
+            except httpx.HTTPError:
+                pass   # its replica is killed under it
+
+        reader = threading.Thread(target=stream_through_a)
+        reader.start()
+        assert first_chunk.wait(30), a.log_tail()
+        assert a.process is not None
+        a.process.kill()   # kill -9, its lease held
+        a.process.wait()
+        reader.join(30)
+        # the client's retry through B: the only slot is A's until its lease lapses, then B's
+        retry = httpx.post(b.url + "/v1/chat/completions", json={**long, "stream": False, "max_tokens": 8},
+                           timeout=60)
+        assert retry.status_code == 200, retry.text
+        assert "Traceback" not in b.log_text() and "internal_error" not in b.log_text(), b.log_tail()
+        # nothing half-indexed: every entry in Redis names a file that is there
+        import redis as redis_sync
+
+        client = redis_sync.Redis.from_url(redis_server.url)
+        for key in client.hkeys("lpcache:map:index"):
+            assert os.path.exists(os.path.join(folder, key.decode())), key
+    finally:
+        b.stop()
+        a.stop()
+        mock.stop()
+
+
+def test_a_slot_whose_holder_died_mid_request_is_not_believed_to_hold_anything(
+        start_backend: Any, start_proxy: Any, redis_server: RedisServer, tmp_path: Any) -> None:
+    backend = start_backend(slots=1)
+    a, b = replicas(start_proxy, [backend], redis_server, tmp_path)
+    body = chats.request(600, 300)
+    assert a.post(body).status_code == 200
+    a.settle()
+    slot_b = b.pipeline.pool.slots[0]
+    assert b.run(_wait_for(lambda: slot_b.content is not None and not slot_b.taken))
+    # A takes the slot's lease again and dies holding it: no renewal, no release, no word of what it left
+    fleet_a, slot_a = a.pipeline.fleet, a.pipeline.pool.slots[0]
+    assert fleet_a is not None and a.run(fleet_a.claim(slot_a, None))
+    held = fleet_a._held.pop(slot_a)
+    held.stop.set()
+    # B's next request for the same conversation: the slot comes free when the lease lapses; B does not trust
+    # what it believed the slot held (A's request may have replaced it), so the saved file is restored
+    r = b.post(body)
+    assert r.status_code == 200, r.text
+    b.settle()
+    record = b.records[-1]
+    assert record.restored and record.cache_hit, record
