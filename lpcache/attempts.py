@@ -40,6 +40,16 @@ from .slots import Choice, Content, Lease, Slot, SlotPool
 log = logging.getLogger("lpcache.attempts")
 
 
+def answer_tokens(body: dict[str, Any]) -> int | None:
+    """The most tokens the request's answer may have, when it says (a short answer frees its slot soon: worth
+    waiting for, `slot_fill.SlotFiller.budget`)."""
+    for name in ("max_tokens", "max_completion_tokens", "n_predict"):
+        value = body.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
 @dataclass(frozen=True)
 class Crew:
     """What one request's tries work with, handed in by the pipeline."""
@@ -217,7 +227,8 @@ class Attempts:
         await self.p.routers.model_slots(self.prompt.model)
         await self.p.truth.check()
         while True:
-            choice = await self.p.filler.take_slot(self.prompt, self.record, self.allowed(), self.want)
+            choice = await self.p.filler.take_slot(self.prompt, self.record, self.allowed(), self.want,
+                                                   answer_tokens(self.body))
             backend = self.p.backends[choice.slot.backend]
             # Claimed before anything awaits: when the backend is half-open, this try is its one probe, and no
             # other passes `allowed` meanwhile.

@@ -39,7 +39,7 @@ from .index import MetaIndex
 from .leases import PREFIX, Holder, Lease, Leases, drift
 from .sessions import SessionBook, SessionInfo
 from .shared_map import SharedMap, connect
-from .slots import Content, Slot, SlotPool
+from .slots import Content, Slot, SlotPool, Want
 from .speeds import Rate, SpeedBook, Speeds
 
 log = logging.getLogger("lpcache.fleet")
@@ -202,7 +202,7 @@ class Fleet:
 
     # ---- slots ----
 
-    async def claim(self, slot: Slot, pending: Content | None = None) -> bool:
+    async def claim(self, slot: Slot, want: Want | None = None) -> bool:
         """Take the slot's lease for this replica: True when it is this replica's now (or Redis is down: a local
         decision), False when another replica's request holds it (the slot is then marked `elsewhere`)."""
         releasing = self._releasing.get(slot.name)
@@ -214,6 +214,9 @@ class Fleet:
         started = time.perf_counter()
         sent = time.monotonic()
         holder = Holder(self.replica, f"{next(self._requests):x}")
+        pending = content_doc(want.pending()) if want is not None else None
+        if pending is not None and want is not None and want.answer_tokens:
+            pending["answer_tokens"] = want.answer_tokens
         call = asyncio.ensure_future(self._claim_call(slot, holder, pending))
         try:
             answer = await asyncio.shield(call)
@@ -242,14 +245,14 @@ class Fleet:
         slot.elsewhere = None
         return True
 
-    async def _claim_call(self, slot: Slot, holder: Holder, pending: Content | None) -> list[Any]:
+    async def _claim_call(self, slot: Slot, holder: Holder, pending: dict[str, Any] | None) -> list[Any]:
         counter, stream, table = self.map.keys_of("slots")
         try:
             async with asyncio.timeout(CALL_TIMEOUT):
                 return await self._claim(  # type: ignore[no-any-return]
                     keys=[PREFIX + slot.name, PREFIX + "token", GRANTED, table, counter, stream],
                     args=[str(holder), self.ttl_ms, slot.name, self.replica, self.map.maxlen,
-                          orjson.dumps(content_doc(pending))])
+                          orjson.dumps(pending)])
         except (RedisError, OSError) as e:
             raise SharedStoreDown(f"Redis did not answer a slot claim on {slot.name}: {e!r}") from e
 
@@ -329,7 +332,7 @@ class Fleet:
         if held is None:
             return
         payload = orjson.dumps({"token": held.lease.token, "replica": self.replica, "busy": True, "phase": "save",
-                                "pending": content_doc(slot.pending)})
+                                "pending": content_doc(slot.pending)})   # its answer is over
         self.spawn(self._phase(slot.name, held, payload))
 
     async def _phase(self, name: str, held: _Held, payload: bytes) -> None:
@@ -371,10 +374,13 @@ class Fleet:
         if doc.get("busy"):   # claimed: by another replica (this one's own claims are applied when made)
             if doc.get("replica") != self.replica:
                 self._elsewhere(slot, str(doc.get("replica")), self.ttl_ms / 1000)
-                slot.pending = content_of(doc.get("pending"))
+                pending = doc.get("pending")
+                slot.pending = content_of(pending)
                 slot.phase = str(doc.get("phase") or "")
+                answer = pending.get("answer_tokens") if isinstance(pending, dict) else None
+                slot.answer_tokens = answer if isinstance(answer, int) and answer > 0 else None
             return
-        slot.content, slot.pending, slot.phase = content_of(doc.get("content")), None, ""
+        slot.content, slot.pending, slot.phase, slot.answer_tokens = content_of(doc.get("content")), None, "", None
         if slot.elsewhere is not None:
             slot.elsewhere = None   # given back by its holder
             self.pool.wake()

@@ -36,7 +36,7 @@ from .reuse import REUSE_MIN_TOKENS, REUSE_SHORT, ReuseWatch
 from .router_models import RouterModels
 from .saving import Saver, int_or_none, slot_files_off
 from .sessions import SessionBook, route_name
-from .slots import Budget, Choice, Content, Slot, SlotPool, Want, wait_plan
+from .slots import Budget, Choice, Content, Slot, SlotPool, WaitPlan, Want, wait_plan
 from .speeds import SpeedBook, Speeds
 
 log = logging.getLogger("lpcache.slot_fill")
@@ -79,7 +79,7 @@ def beside_wait(slot: Slot, mine: float, blocks: int, speeds: Speeds) -> float:
         return math.inf     # wait out its prefill; decided again at its first token
     if benefit is None or per_token is None:
         return 0.0          # a JSON answer's progress is not seen, and no speed to judge it by
-    generate = speeds.generate.seconds(64)   # an answer of unknown length: a short one, at least
+    generate = speeds.generate.seconds(min(slot.answer_tokens or 64, 64))   # its max_tokens, or a short answer
     if generate is None or generate >= benefit:
         return 0.0
     return left * per_token + benefit
@@ -190,7 +190,8 @@ class SlotFiller:
             if slot.free_at is not None and slot.free_at - time.monotonic() >= benefit:
                 return 0.0
             if slot.free_at is None and slot.phase != "save":
-                generate = speeds.generate.seconds(64)   # an answer of unknown length: a short one, at least
+                # its answer's length: its max_tokens when it said, else a short one, at least
+                generate = speeds.generate.seconds(min(slot.answer_tokens or 64, 64))
                 if generate is None or generate >= benefit:
                     return 0.0
             return min(cap, benefit)
@@ -200,16 +201,21 @@ class SlotFiller:
     # ---- the slot ----
 
     async def take_slot(self, prompt: Prompt, record: RequestRecord, allowed: Callable[[Slot], bool] | None = None,
-                        want: Content | None = None) -> Choice:
+                        want: Content | None = None, answer_tokens: int | None = None) -> Choice:
         session = want.key if want is not None else None
         homes = self.session_homes(want)
         asked = Want(prompt, self.lookup(prompt) if want is None else (lambda: None), allowed, session, homes,
                      self.pays(prompt), self.index.protect, self.index.unprotect,
                      (lambda: self.warm(prompt)) if want is None else None, self.index.__contains__)
-        plan = wait_plan(self.pool.slots, prompt, asked.lookup(), allowed, session, homes, self.budget(prompt))
+        asked.answer_tokens = answer_tokens
+
+        def plan_again() -> WaitPlan | None:
+            return wait_plan(self.pool.slots, prompt, asked.lookup(), allowed, session, homes, self.budget(prompt))
+
+        plan = plan_again()
         started = time.perf_counter()
         try:
-            choice, planned = await self.pool.take(asked, plan)
+            choice, planned = await self.pool.take(asked, plan, replan=plan_again)
         except SlotsBusy:
             record.reason = "slot_timeout"
             raise
@@ -217,11 +223,20 @@ class SlotFiller:
             log.info("own_slot_still_busy key=%s waited_s=%.2f: the busy slot that holds more of the prompt was not "
                      "free within the prefill it would spare; taking another", prompt.key[:16],
                      time.perf_counter() - started)
+        if homes and choice.slot.backend not in homes:
+            budget = self.budget(prompt)
+            log.info("session_away file=%s slot=%s homes=%s plan=%s waited=%s home_slots=%s: the session's file is "
+                     "not on this server; its prompt is computed", session, choice.slot.name, sorted(homes),
+                     None if plan is None else round(plan.seconds, 2), planned,
+                     ",".join(f"{s.name}:{'busy' if s.busy else 'elsewhere' if s.taken else 'idle'}/{s.phase or '-'}"
+                              f"/budget={budget(s, len(prompt.exact), False):.2f}"
+                              for s in self.pool.slots if s.backend in homes))
         self.saver.cancel_idle_save(choice.slot)
         choice.slot.pending = want or Content(prompt.key, prompt.exact)
         choice.slot.phase, choice.slot.free_at = "prefill", None
         brought = choice.restore.shared if choice.restore is not None else choice.resident
         choice.slot.stream = bool(record.stream)
+        choice.slot.answer_tokens = answer_tokens
         choice.slot.computing = max(0, len(choice.slot.pending.chain) - brought)
         record.backend, record.slot = self.backends[choice.slot.backend].url, choice.slot.id
         record.restore_skipped = choice.skipped or None

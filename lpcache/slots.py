@@ -61,6 +61,7 @@ class Slot:
     sent_at: float | None = None     # while busy: when its request went to the server (monotonic)
     first_token_at: float | None = None   # while busy: when its answer's first token came (its prefill was over)
     computing: int = 0               # while busy: identity blocks of its prompt the server computes (not cached)
+    answer_tokens: int | None = None  # while busy: the most tokens its answer may have (max_tokens), when said
     replans: list[Callable[[], None]] = field(default_factory=list)   # the waits planned on it, to decide again
     elsewhere: str | None = None     # with REDIS_URL: the replica whose request holds it (`fleet`) ...
     elsewhere_until: float = 0.0     # ... until then at most (monotonic; its lease's expiry as last seen)
@@ -298,6 +299,7 @@ class Want:
     unprotect: Callable[[str], None] | None = None  # ... and when the slot is given back unused
     warm: Callable[[], tuple[int, int, bool] | None] | None = None   # the server whose RAM likely holds it
     kept: Callable[[str], bool] | None = None        # whether a cache's file is on disk
+    answer_tokens: int | None = None                 # the request's max_tokens, when it says
 
     def choose(self, idle: Sequence[Slot], load: Mapping[int, int] | None = None) -> Choice:
         choice = choose(idle, self.prompt, self.lookup(), self.session, self.homes, self.pays,
@@ -327,11 +329,15 @@ class _Waiter:
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
+class Refused(Exception):
+    """The slot chosen is another replica's (its claim was refused): the caller plans its wait again."""
+
+
 class Claims(Protocol):
     """Slot leases across replicas (`fleet.Fleet`, with REDIS_URL): a slot the pool hands out locally is claimed
     before use; another replica's live lease on it makes the pool choose again."""
 
-    async def claim(self, slot: Slot, pending: Content | None = None) -> bool: ...
+    async def claim(self, slot: Slot, want: Want | None = None) -> bool: ...
 
     def released(self, slot: Slot) -> None: ...
 
@@ -377,11 +383,13 @@ class SlotPool:
         self.slots.extend(slots)
         self.wake()
 
-    async def acquire(self, want: Want, timeout: float | None = None, plan: WaitPlan | None = None) -> Choice:
+    async def acquire(self, want: Want, timeout: float | None = None, plan: WaitPlan | None = None,
+                      refusals: bool = False) -> Choice:
         """Take a slot (among those `want.allowed`); raise SlotsBusy (503) when none comes free within the wait
         timeout (`timeout`, else the pool's). With a `plan` whose target's request progresses, the timeout is
         decided again (`plan.recheck`), never beyond the first. With `claims` (REDIS_URL), the slot is claimed
-        across replicas before it is returned; one another replica holds is passed over (chosen again)."""
+        across replicas before it is returned; one another replica holds is passed over (chosen again; with
+        `refusals`, `Refused` is raised instead, for the caller to plan again)."""
         total = self.wait_timeout if timeout is None else timeout
         if self.claims is None:
             return self._traced(await self._acquire(want, total, plan))
@@ -390,7 +398,7 @@ class SlotPool:
             choice = await self._acquire(want, max(deadline - time.monotonic(), 0.0), plan)
             believed = choice.slot.content
             try:
-                ours = await self.claims.claim(choice.slot, want.pending())
+                ours = await self.claims.claim(choice.slot, want)
             except BaseException:
                 want.given_back(choice)
                 self._unclaimed(choice.slot)
@@ -404,6 +412,8 @@ class SlotPool:
                 return self._traced(want.choose([choice.slot], self.load()))
             want.given_back(choice)
             self._unclaimed(choice.slot)   # marked `elsewhere` by the claim: not chosen again meanwhile
+            if refusals:
+                raise Refused(choice.slot.name)
 
     def _traced(self, choice: Choice) -> Choice:
         if self.trace is not None:
@@ -457,18 +467,28 @@ class SlotPool:
         for replan in list(slot.replans):
             replan()
 
-    async def take(self, want: Want, plan: WaitPlan | None, timeout: float | None = None) -> tuple[Choice, bool]:
+    async def take(self, want: Want, plan: WaitPlan | None, timeout: float | None = None,
+                   replan: Callable[[], WaitPlan | None] | None = None) -> tuple[Choice, bool]:
         """The two-phase wait: when `plan` names busy slots worth waiting for, wait for one of them up to
         `plan.seconds`, then for any allowed slot up to the pool's timeout. Returns the choice and whether it came
-        from the plan."""
+        from the plan. A slot chosen but found to be another replica's (REDIS_URL) makes the plan be made again
+        (`replan`), now that this replica knows the slot is busy."""
         total = self.wait_timeout if timeout is None else timeout
         deadline = time.monotonic() + total   # the whole wait, both phases: SLOT_WAIT_TIMEOUT is the bound
-        if plan is not None:
+        while True:
             try:
-                return await self.acquire(want.only(plan.wanted), min(plan.seconds, total), plan), True
-            except SlotsBusy:
-                pass
-        return await self.acquire(want, max(deadline - time.monotonic(), 0.0)), False
+                if plan is not None:
+                    try:
+                        left = max(deadline - time.monotonic(), 0.0)
+                        return await self.acquire(want.only(plan.wanted), min(plan.seconds, left), plan,
+                                                  refusals=replan is not None), True
+                    except SlotsBusy:
+                        pass
+                return await self.acquire(want, max(deadline - time.monotonic(), 0.0),
+                                          refusals=replan is not None), False
+            except Refused:
+                assert replan is not None
+                plan = replan()
 
     def release(self, slot: Slot, content: Content | None | bool = True, used: bool = True) -> None:
         """Give a slot back. `content`: what it now holds (True: unchanged, None: unknown). `used` False: it
@@ -481,6 +501,7 @@ class SlotPool:
         slot.pending = None
         slot.phase, slot.free_at = "", None
         slot.stream, slot.sent_at, slot.first_token_at, slot.computing = False, None, None, 0
+        slot.answer_tokens = None
         if used:
             slot.last_used = time.monotonic()
         if content is not True:

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from .identity import BLOCK_CHARS
 
 ALPHA = 0.3             # weight of the newest measurement
-MIN_TOKENS = 32         # measurements over fewer tokens are mostly fixed costs: not used
+MIN_TOKENS = 32         # measurements over fewer tokens are mostly fixed costs: not used ...
+MIN_DECODED = 4         # ... but a decode step per token has none to speak of: short answers teach generation
 MARGIN = 1.0            # restore when its time is below MARGIN x the prefill time it saves
 CHARS_PER_TOKEN = 4.0   # until measured
 
@@ -27,9 +28,10 @@ CHARS_PER_TOKEN = 4.0   # until measured
 @dataclass
 class Rate:
     ms_per_token: float | None = None
+    min_tokens: int = MIN_TOKENS
 
     def add(self, ms: float, tokens: int) -> None:
-        if tokens < MIN_TOKENS or ms <= 0:   # a stand-in reporting 0 ms says nothing
+        if tokens < self.min_tokens or ms <= 0:   # a stand-in reporting 0 ms says nothing
             return
         value = ms / tokens
         self.ms_per_token = value if self.ms_per_token is None else (1 - ALPHA) * self.ms_per_token + ALPHA * value
@@ -44,7 +46,7 @@ class Speeds:
 
     prefill: Rate = field(default_factory=Rate)
     restore: Rate = field(default_factory=Rate)
-    generate: Rate = field(default_factory=Rate)
+    generate: Rate = field(default_factory=lambda: Rate(min_tokens=MIN_DECODED))
     save: Rate = field(default_factory=Rate)
     chars_per_token: float | None = None
 
