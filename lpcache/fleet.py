@@ -25,7 +25,7 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from itertools import count
 from typing import Any
@@ -46,7 +46,9 @@ log = logging.getLogger("lpcache.fleet")
 
 NAMESPACES = ("index", "slots", "sessions", "speeds")
 GRANTED = PREFIX + "granted"   # hash: slot name -> the last token granted on it
-CALL_TIMEOUT = 1.0             # seconds a lease call may take before Redis counts as down for it
+# Seconds a Redis call may take at most, whatever the client does: above the client's own bound (`shared_map.connect`:
+# 0.5 s socket timeouts, one retry), which fails a call cleanly; this one cuts it mid-reply, so the connections go.
+CALL_TIMEOUT = 2.5
 SPEEDS_EVERY = 5.0             # seconds between two publications of one backend's speeds
 
 # Claim: the lease (as leases._ACQUIRE does), the last token granted on this slot before, and the slot's state in the
@@ -153,7 +155,7 @@ class Fleet:
         self.client = connect(url)
         self.leases = Leases(self.client, timeout=CALL_TIMEOUT)
         self.map = SharedMap(self.client, NAMESPACES, replica, self.on_change, on_reconnect=self.republish,
-                             prefix=prefix)
+                             prefix=prefix, own_applied=("slots",))
         self._claim = self.client.register_script(_CLAIM)
         self._release = self.client.register_script(_RELEASE)
         self._held: dict[Slot, _Held] = {}
@@ -168,6 +170,17 @@ class Fleet:
         sessions.on_saved = self.session_saved
         speeds.on_learnt = self.speeds_learnt
         pool.claims = self
+
+    @contextlib.asynccontextmanager
+    async def _bounded(self) -> AsyncIterator[None]:
+        """CALL_TIMEOUT around a Redis call; when it cuts the call short, the pool's connections are dropped (one
+        may be a reply behind, and would hand that reply to the next call)."""
+        try:
+            async with asyncio.timeout(CALL_TIMEOUT):
+                yield
+        except TimeoutError:
+            await self.client.connection_pool.disconnect()
+            raise
 
     @property
     def healthy(self) -> bool:
@@ -248,7 +261,7 @@ class Fleet:
     async def _claim_call(self, slot: Slot, holder: Holder, pending: dict[str, Any] | None) -> list[Any]:
         counter, stream, table = self.map.keys_of("slots")
         try:
-            async with asyncio.timeout(CALL_TIMEOUT):
+            async with self._bounded():
                 return await self._claim(  # type: ignore[no-any-return]
                     keys=[PREFIX + slot.name, PREFIX + "token", GRANTED, table, counter, stream],
                     args=[str(holder), self.ttl_ms, slot.name, self.replica, self.map.maxlen,
@@ -304,7 +317,7 @@ class Fleet:
         lease.released = True
         counter, stream, table = self.map.keys_of("slots")
         try:
-            async with asyncio.timeout(CALL_TIMEOUT):
+            async with self._bounded():
                 await self._release(keys=[PREFIX + name, counter, stream, table],
                                     args=[lease.value, self.replica, self.map.maxlen, name, payload, "1"])
             self._fences[name] = max(self._fences.get(name, 0), lease.token)
@@ -338,7 +351,7 @@ class Fleet:
     async def _phase(self, name: str, held: _Held, payload: bytes) -> None:
         counter, stream, table = self.map.keys_of("slots")
         try:
-            async with asyncio.timeout(CALL_TIMEOUT):
+            async with self._bounded():
                 await self._release(keys=[PREFIX + name, counter, stream, table],
                                     args=[held.lease.value, self.replica, self.map.maxlen, name, payload, "0"])
         except (RedisError, OSError):
@@ -397,7 +410,7 @@ class Fleet:
         if visible:
             return None
         try:
-            async with asyncio.timeout(CALL_TIMEOUT):
+            async with self._bounded():
                 position = int(await self.client.incr(f"{self.prefix}:ring:{backend.url}"))
         except (RedisError, OSError):
             self.stats.redis_errors += 1
@@ -435,6 +448,10 @@ class Fleet:
                 await self.map.put(ns, key, value)
             self._unpublished.discard((ns, key))
         except SharedStoreDown:
+            self.stats.redis_errors += 1
+            self._unpublished.add((ns, key))
+        except Exception:   # never an unretrieved task error: written again when Redis is next back
+            log.exception("shared_write_failed ns=%s key=%s", ns, key)
             self.stats.redis_errors += 1
             self._unpublished.add((ns, key))
         finally:

@@ -125,8 +125,13 @@ class Leases:
         task = asyncio.current_task()
         cancels = task.cancelling() if task else 0
         try:
-            async with asyncio.timeout(self.timeout):
-                result = await script(keys=keys, args=args)
+            try:
+                async with asyncio.timeout(self.timeout):
+                    result = await script(keys=keys, args=args)
+            except TimeoutError:
+                # cut short mid-call, a connection may be left a reply behind: none is used again
+                await self.redis.connection_pool.disconnect()
+                raise
         except (RedisError, OSError) as e:   # OSError: TimeoutError from asyncio.timeout, and socket errors
             raise SharedStoreDown(f"Redis at {self._where} did not answer a lease {what} on {name!r} within "
                                   f"{self.timeout:g}s: {e!r}") from e

@@ -83,7 +83,7 @@ class SharedMap:
     def __init__(self, client: aioredis.Redis, namespaces: Iterable[str], replica_id: str,
                  on_change: OnChange | None = None, *, on_reconnect: OnReconnect | None = None,
                  prefix: str = "lpcache", maxlen: int = 10_000, block: float = 1.0,
-                 backoff: tuple[float, float] = (0.1, 5.0)) -> None:
+                 backoff: tuple[float, float] = (0.1, 5.0), own_applied: Iterable[str] = ()) -> None:
         if client.connection_pool.connection_kwargs.get("decode_responses"):
             raise ValueError("SharedMap needs a client that returns bytes (decode_responses=False)")
         self.client = client
@@ -110,6 +110,10 @@ class SharedMap:
         self._unpublished = False          # Redis may not hold what this replica owns (lost, or never reached)
         self.healthy = False
         self.reloads = 0                   # full loads after the first (gaps, reconnections, losses)
+        # Namespaces whose changes by this replica's own scripts (`keys_of`) the follower does not read back: the
+        # caller applied them itself (fleet's slot states), which spares a round trip per change.
+        self.own_applied = frozenset(own_applied)
+        self._own = replica_id.encode()
 
     def keys_of(self, ns: str) -> tuple[str, str, str]:
         """(version counter, change stream, the namespace's hash): for a script of another module that writes a
@@ -201,6 +205,8 @@ class SharedMap:
             except Exception:   # a malformed entry, a bug: never let the task die; reload after the backoff
                 log.exception("shared_map_failed")
                 self.healthy, self._load_needed = False, True
+                with contextlib.suppress(RedisError, OSError):   # a connection a reply behind is not used again
+                    await self.client.connection_pool.disconnect()
             else:
                 continue
             with contextlib.suppress(TimeoutError):
@@ -231,6 +237,8 @@ class SharedMap:
                     return
                 version = v
                 ns = _text(fields[b"ns"])
+                if ns in self.own_applied and fields.get(b"replica") == self._own:
+                    continue
                 if ns in self._data:
                     last[(ns, _text(fields[b"key"]))] = (v, fields[b"op"])
             fetch = []
