@@ -164,7 +164,7 @@ def test_the_generator_prints_the_page(capsys: pytest.CaptureFixture[str]) -> No
 
 # ---- the hand-written pages ----
 
-@pytest.mark.parametrize("name", ["configuration.md", "operations.md", "migration.md"])
+@pytest.mark.parametrize("name", ["configuration.md", "operations.md", "migration.md", "deployment.md"])
 def test_pages_link_only_to_what_exists(name: str) -> None:
     assert check_links(DOCS / name) == []
 
