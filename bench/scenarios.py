@@ -39,10 +39,10 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import agents_scenario  # noqa: E402
-from _common import llama_machine_text, replace_section, table  # noqa: E402
+from _common import Servers, llama_machine_text, replace_section, table  # noqa: E402
 from replay import replay  # noqa: E402
 
-from lpcache.testing import REPO, LlamaServer, LpcacheProcess, llama_paths  # noqa: E402
+from lpcache.testing import REPO, LpcacheProcess, llama_paths  # noqa: E402
 from lpcache.workload import Turn, turns  # noqa: E402
 
 DOC = REPO / "docs" / "benchmarks.md"
@@ -90,25 +90,6 @@ class Result:
     scenario: str
     setup: str          # "llama-server alone" or "lpcache, SAVE_POLICY=..."
     summary: dict[str, Any] = field(default_factory=dict)
-
-
-class Servers:
-    """n llama-servers with their slot folders; `restart()` stops and starts each on its port (empty, files kept)."""
-
-    def __init__(self, work: Path, n: int, n_slots: int, cache_ram: int | None) -> None:
-        self.args = {"n_slots": n_slots, "cache_ram": cache_ram, "extra": ["--metrics"]}
-        self.dirs = [str(work / f"slots{i}") for i in range(n)]
-        self.servers = [LlamaServer(d, **self.args) for d in self.dirs]  # type: ignore[arg-type]
-
-    def restart(self) -> None:
-        for i, server in enumerate(self.servers):
-            port = server.port
-            server.stop()
-            self.servers[i] = LlamaServer(self.dirs[i], port=port, **self.args)  # type: ignore[arg-type]
-
-    def stop(self) -> None:
-        for server in self.servers:
-            server.stop()
 
 
 def one_run(scenario: Scenario, workload: Sequence[Turn], policy: str | None, say: Callable[[str], None]) -> Result:
