@@ -258,7 +258,7 @@ def markdown(report: dict[str, Any], machine: str, minutes: float) -> str:
     runs = report["runs"]
     short = runs and runs[0]["requests"] < DEFAULT_REQUESTS
     lines = [START, "", "## Scale-out: lpcache replicas sharing one Redis (`bench/scenarios.py --only scale`)", "",
-             f"{machine}. Workload: {report['workload']}. Whole run: {minutes:.0f} minutes. `make bench` runs it with "
+             f"{machine}. Workload: {report['workload']}. Whole run: {minutes:.1f} minutes. `make bench` runs it with "
              "the other scenarios; `python bench/scenarios.py --only scale` alone.", ""]
     if short:
         lines += [f"**A short run** ({runs[0]['requests']} requests, below the default workload's "
