@@ -1,4 +1,5 @@
-"""Small helpers shared by the benchmarks: percentiles, a plain-text table, a note on the machine."""
+"""Small helpers shared by the benchmarks: percentiles, a plain-text table, a note on the machine, llama-servers
+restarted on their ports, Redis's own count of commands."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
+
+from lpcache.testing import LlamaServer
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -115,3 +118,41 @@ def stop_run(work: Path, *started: _Stoppable | None) -> None:
         if process is not None:
             process.stop()
     shutil.rmtree(work, ignore_errors=True)
+
+
+class Servers:
+    """n llama-servers with their slot folders; `restart()` stops and starts each on its port (empty; with
+    `erase`, their slot-save folders emptied too, so the next run starts as the first did)."""
+
+    def __init__(self, work: Path, n: int, n_slots: int, cache_ram: int | None) -> None:
+        self.args = {"n_slots": n_slots, "cache_ram": cache_ram, "extra": ["--metrics"]}
+        self.dirs = [str(work / f"slots{i}") for i in range(n)]
+        self.servers = [LlamaServer(d, **self.args) for d in self.dirs]  # type: ignore[arg-type]
+
+    def restart(self, erase: bool = False) -> None:
+        for i, server in enumerate(self.servers):
+            port = server.port
+            server.stop()
+            if erase:
+                shutil.rmtree(self.dirs[i], ignore_errors=True)
+            self.servers[i] = LlamaServer(self.dirs[i], port=port, **self.args)  # type: ignore[arg-type]
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+
+def redis_commands(url: str) -> dict[str, int]:
+    """What the Redis at `url` has processed since it started, every client's, background work included:
+    `commands` (`INFO stats`; each command a script runs counts too) and `scripts` (EVALSHA calls, `INFO
+    commandstats`: lpcache's lease claims and releases are one script call each)."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        stats = client.info("commandstats")
+        return {"commands": int(client.info("stats")["total_commands_processed"]),
+                "scripts": int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
+                + int(stats.get("cmdstat_eval", {}).get("calls", 0))}
+    finally:
+        client.close()

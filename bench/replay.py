@@ -188,12 +188,18 @@ def folder_bytes(dirs: Sequence[str]) -> int:
 
 
 class Counters:
-    """lpcache's bytes written and llama-server's computed tokens, summed over the stretches between restarts."""
+    """lpcache's bytes written and llama-server's computed tokens, summed over the stretches between restarts. The
+    requests may go to several fronts (lpcache replicas, or llama-servers a client spreads its requests over): the
+    bytes are summed over those that are lpcache, and each of them is waited for at the end of a stretch."""
 
-    def __init__(self, client: httpx.Client, url: str, llama_urls: Sequence[str]) -> None:
-        self.client, self.url, self.llama_urls = client, url, list(llama_urls)
-        text = self._metrics(url, required=False)
-        self.lpcache = text is not None and "lpcache_slots_busy" in text
+    def __init__(self, client: httpx.Client, urls: Sequence[str], llama_urls: Sequence[str]) -> None:
+        self.client, self.llama_urls = client, list(llama_urls)
+        self.fronts = []
+        for u in dict.fromkeys(urls):
+            text = self._metrics(u, required=False)
+            if text is not None and "lpcache_slots_busy" in text:
+                self.fronts.append(u)
+        self.lpcache = bool(self.fronts)
         for u in self.llama_urls:
             text = self._metrics(u, required=True)
             if text is None or metric(text, *LLAMA_COMPUTED) is None:
@@ -218,9 +224,9 @@ class Counters:
 
     def sample(self) -> tuple[int, int]:
         written = 0
-        if self.lpcache:
-            text = self._metrics(self.url, required=True) or ""
-            written = int(sum(metric(text, *m) or 0 for m in (LPCACHE_SAVE_BYTES, LPCACHE_BACKGROUND_BYTES)))
+        for u in self.fronts:
+            text = self._metrics(u, required=True) or ""
+            written += int(sum(metric(text, *m) or 0 for m in (LPCACHE_SAVE_BYTES, LPCACHE_BACKGROUND_BYTES)))
         computed = 0
         for u in self.llama_urls:
             computed += int(metric(self._metrics(u, required=True) or "", *LLAMA_COMPUTED) or 0)
@@ -241,16 +247,15 @@ class Counters:
 
     def settle(self, timeout: float) -> None:
         """lpcache keeps a slot busy until its save is done and counts the bytes as it releases it."""
-        if not self.lpcache:
-            return
         deadline = time.monotonic() + timeout
-        while True:
-            text = self._metrics(self.url, required=True) or ""
-            if not metric(text, "lpcache_slots_busy") and not metric(text, "lpcache_waiting_requests"):
-                return
-            if time.monotonic() > deadline:
-                raise ReplayError(f"{self.url} still had busy slots {timeout:g} s after the last answer")
-            time.sleep(POLL_S)
+        for u in self.fronts:
+            while True:
+                text = self._metrics(u, required=True) or ""
+                if not metric(text, "lpcache_slots_busy") and not metric(text, "lpcache_waiting_requests"):
+                    break
+                if time.monotonic() > deadline:
+                    raise ReplayError(f"{u} still had busy slots {timeout:g} s after the last answer")
+                time.sleep(POLL_S)
 
 
 def wait_ready(client: httpx.Client, urls: Sequence[str], timeout: float, after: str,
@@ -385,9 +390,10 @@ def rounds_of(workload: Sequence[Turn]) -> list[list[Turn]]:
     return out
 
 
-def run_round(clients: queue.Queue[httpx.Client], url: str, group: Sequence[Turn], body: dict[str, Any],
-              concurrency: int, stream: bool, session_header: bool) -> list[Row]:
-    def one(turn: Turn) -> Row:
+def run_round(clients: queue.Queue[httpx.Client], urls: Sequence[str], group: Sequence[Turn],
+              body: dict[str, Any], concurrency: int, stream: bool, session_header: bool) -> list[Row]:
+    """`urls[i]` is where `group[i]` goes."""
+    def one(turn: Turn, url: str) -> Row:
         client = clients.get()
         try:
             return send(client, url, turn, body, stream, session_header)
@@ -395,9 +401,9 @@ def run_round(clients: queue.Queue[httpx.Client], url: str, group: Sequence[Turn
             clients.put(client)
 
     if concurrency == 1:
-        return [one(t) for t in group]
+        return [one(t, u) for t, u in zip(group, urls, strict=True)]
     with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="replay") as pool:
-        return list(pool.map(one, group))   # submitted in the workload's order, at most `concurrency` at once
+        return list(pool.map(one, group, urls))   # in the workload's order, at most `concurrency` at once
 
 
 # ---- the replay ----
@@ -407,7 +413,7 @@ def replay(url: str, workload: Sequence[Turn], *, concurrency: int = 1, stream: 
            tokenize_url: str | None = None, slot_dirs: Sequence[str] = (), model: str = "smollm2",
            max_tokens: int = 8, headers: Mapping[str, str] | None = None, llama_metrics_urls: Sequence[str] = (),
            wait_urls: Sequence[str] | None = None, health_timeout: float = 300.0, timeout: float = 600.0,
-           progress: Callable[[str], None] | None = None) -> Report:
+           targets: Sequence[str] | None = None, progress: Callable[[str], None] | None = None) -> Report:
     """Send `workload` to `url` round by round and measure it (see the module's docstring).
 
     `between` runs after each round but the last: a shell command (with REPLAY_ROUND set to the next round's index)
@@ -422,7 +428,11 @@ def replay(url: str, workload: Sequence[Turn], *, concurrency: int = 1, stream: 
     for d in slot_dirs:
         if not os.path.isdir(d):
             raise ReplayError(f"slot folder {d} is not an existing directory")
+    if targets is not None and len(targets) != len(workload):
+        raise ReplayError(f"{len(targets)} targets for {len(workload)} requests")
     url = base_url(url)
+    sent_to = [base_url(t) for t in targets] if targets is not None else [url] * len(workload)
+    fronts = list(dict.fromkeys(sent_to))
     tok_url = base_url(tokenize_url) if tokenize_url else url
     llama_urls = [base_url(u) for u in llama_metrics_urls]
     waits = [base_url(u) for u in wait_urls] if wait_urls is not None else [
@@ -430,7 +440,8 @@ def replay(url: str, workload: Sequence[Turn], *, concurrency: int = 1, stream: 
     say = progress or (lambda _: None)
     limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
     with httpx.Client(timeout=timeout, headers=dict(headers or {}), limits=limits) as control:
-        check_up(control, url, health_timeout, say)
+        for front in dict.fromkeys([url, *fronts]):
+            check_up(control, front, health_timeout, say)
         if tok_url != url:
             check_up(control, tok_url, health_timeout, say)
         try:
@@ -440,7 +451,7 @@ def replay(url: str, workload: Sequence[Turn], *, concurrency: int = 1, stream: 
                               "should name llama-server or lpcache") from None
         ideal = ideal_of(tokens)
         ideal_session = ideal_of(tokens, [t.session for t in workload])
-        counters = Counters(control, url, llama_urls)
+        counters = Counters(control, fronts, llama_urls)
         body = {"model": model, "max_tokens": max_tokens, "temperature": 0}
         clients: queue.Queue[httpx.Client] = queue.Queue()
         for _ in range(concurrency):
@@ -449,17 +460,21 @@ def replay(url: str, workload: Sequence[Turn], *, concurrency: int = 1, stream: 
         groups = rounds_of(workload)
         between_s = 0.0
         started = time.perf_counter()
+        sent = 0
         try:
             for i, group in enumerate(groups):
                 if i and between is not None:
                     t0 = time.perf_counter()
                     run_between(between, i)
-                    wait_ready(control, [url, *waits], health_timeout, "after the between command", say)
+                    wait_ready(control, list(dict.fromkeys([url, *fronts, *waits])), health_timeout,
+                               "after the between command", say)
                     between_s += time.perf_counter() - t0
                 if i == 0 or between is not None:
                     counters.start()
                 t0 = time.perf_counter()
-                done = run_round(clients, url, group, body, concurrency, stream, session_header)
+                done = run_round(clients, sent_to[sent:sent + len(group)], group, body, concurrency, stream,
+                                 session_header)
+                sent += len(group)
                 rows += done
                 say(f"round {i + 1}/{len(groups)}: {len(done)} requests, "
                     f"{sum(r.failed for r in done)} failed, {time.perf_counter() - t0:.2f} s")

@@ -14,13 +14,17 @@ starts it (`python -m lpcache` with its settings in the environment), then repla
     two-12      two llama-servers behind lpcache, 12 conversations two at a time, against one alone
     agents      coding-agent sessions through the Responses and Messages APIs (bench/agents_scenario.py: its own
                 workload, setups, table and markers)
+    scale       two llama-servers behind one lpcache, behind two lpcache replicas sharing one Redis (each request to
+                a random replica), and round-robin without lpcache (bench/scale_scenario.py: its own table and
+                markers, bench/results/scale.json)
 
 Each lpcache run is made with SAVE_POLICY eager and evict. The tables and a plot go to docs/benchmarks.md (between
 its `scenarios` markers) and docs/bench-scenarios.png; the raw figures to bench/results/scenarios.json.
 
 Run: python bench/scenarios.py [--only fits,ram0,agents] [--users 3] [--rounds 3] [--first-words 500] [--no-docs]
      [--agent-sessions 4] [--agent-steps 8] [--agent-concurrency 2] [--agent-setups ram0,ram,lpcache]
-     [--agent-routes responses,messages]
+     [--agent-routes responses,messages] [--scale-kinds generate,annotate,redraft] [--scale-concurrency 2]
+     [--scale-seed 1] [--scale-setups one,two,none]
 """
 
 from __future__ import annotations
@@ -39,10 +43,11 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import agents_scenario  # noqa: E402
-from _common import llama_machine_text, replace_section, table  # noqa: E402
+import scale_scenario  # noqa: E402
+from _common import Servers, llama_machine_text, replace_section, table  # noqa: E402
 from replay import replay  # noqa: E402
 
-from lpcache.testing import REPO, LlamaServer, LpcacheProcess, llama_paths  # noqa: E402
+from lpcache.testing import REPO, LpcacheProcess, llama_paths  # noqa: E402
 from lpcache.workload import Turn, turns  # noqa: E402
 
 DOC = REPO / "docs" / "benchmarks.md"
@@ -51,6 +56,7 @@ RESULTS = REPO / "bench" / "results" / "scenarios.json"
 START, END = "<!-- scenarios:start -->", "<!-- scenarios:end -->"
 POLICIES = ("eager", "evict")
 AGENTS = "agents"
+SCALE = "scale"
 KINDS = ("generate", "annotate", "redraft")
 
 
@@ -90,25 +96,6 @@ class Result:
     scenario: str
     setup: str          # "llama-server alone" or "lpcache, SAVE_POLICY=..."
     summary: dict[str, Any] = field(default_factory=dict)
-
-
-class Servers:
-    """n llama-servers with their slot folders; `restart()` stops and starts each on its port (empty, files kept)."""
-
-    def __init__(self, work: Path, n: int, n_slots: int, cache_ram: int | None) -> None:
-        self.args = {"n_slots": n_slots, "cache_ram": cache_ram, "extra": ["--metrics"]}
-        self.dirs = [str(work / f"slots{i}") for i in range(n)]
-        self.servers = [LlamaServer(d, **self.args) for d in self.dirs]  # type: ignore[arg-type]
-
-    def restart(self) -> None:
-        for i, server in enumerate(self.servers):
-            port = server.port
-            server.stop()
-            self.servers[i] = LlamaServer(self.dirs[i], port=port, **self.args)  # type: ignore[arg-type]
-
-    def stop(self) -> None:
-        for server in self.servers:
-            server.stop()
 
 
 def one_run(scenario: Scenario, workload: Sequence[Turn], policy: str | None, say: Callable[[str], None]) -> Result:
@@ -212,12 +199,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--part-words", type=int, default=40)
     ap.add_argument("--no-docs", action="store_true", help="print only; do not write docs/ and bench/results/")
     agents_scenario.add_arguments(ap)
+    scale_scenario.add_arguments(ap)
     args = ap.parse_args(argv)
     only = args.only.split(",") if args.only else None
     chosen = [s for s in SCENARIOS if only is None or s.name in only]
     agents = only is None or AGENTS in only
-    if not chosen and not agents:
-        ap.error(f"no such scenario; choose among {', '.join([*(s.name for s in SCENARIOS), AGENTS])}")
+    scale = only is None or SCALE in only
+    if not chosen and not agents and not scale:
+        ap.error(f"no such scenario; choose among {', '.join([*(s.name for s in SCENARIOS), AGENTS, SCALE])}")
     workload = turns(users=args.users, kinds=KINDS, rounds=args.rounds, first_words=args.first_words,
                      part_words=args.part_words)
     described = (f"{args.users} users x {len(KINDS)} kinds ({', '.join(KINDS)}) x {args.rounds} rounds = "
@@ -241,6 +230,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             agents_scenario.RESULTS.write_text(json.dumps(report, indent=1, ensure_ascii=False))
             replace_section(DOC, agents_scenario.START, agents_scenario.END, section)
             print(f"wrote {DOC.relative_to(REPO)}, {agents_scenario.RESULTS.relative_to(REPO)}")
+    if scale:
+        scale_started = time.perf_counter()
+        scale_report = scale_scenario.run(args, say)
+        section = scale_scenario.markdown(scale_report, llama_machine_text(*llama_paths()),
+                                          (time.perf_counter() - scale_started) / 60)
+        print(section)
+        if not args.no_docs:
+            scale_scenario.RESULTS.parent.mkdir(parents=True, exist_ok=True)
+            scale_scenario.RESULTS.write_text(json.dumps(scale_report, indent=1, ensure_ascii=False))
+            replace_section(DOC, scale_scenario.START, scale_scenario.END, section)
+            print(f"wrote {DOC.relative_to(REPO)}, {scale_scenario.RESULTS.relative_to(REPO)}")
     return 0
 
 

@@ -115,6 +115,34 @@ def test_through_lpcache_sessions_and_bytes(start_backend: Callable[..., MockHan
     assert s["folder_bytes"] == folder_size(slot_dir) > 0
 
 
+def test_targets_spread_the_requests_and_every_lpcache_is_counted(start_backend: Any, start_proxy: Any,
+                                                                  tmp_path: Any) -> None:
+    dirs = [os.path.join(tmp_path, f"slots{i}") for i in range(2)]
+    for d in dirs:
+        os.makedirs(d)
+    backends = [start_backend(slots=2, slot_save_path=d) for d in dirs]
+    proxies = [start_proxy(b, meta_dir=os.path.join(tmp_path, f"meta{i}")) for i, b in enumerate(backends)]
+    workload = small(rounds=3)
+    sent = [proxies[int(i % 3 == 0)].url for i in range(len(workload))]   # uneven: 4 to one, 8 to the other
+    report = rp.replay(proxies[0].url + "/v1", workload, targets=sent, concurrency=2, slot_dirs=dirs,
+                       tokenize_url=backends[0].url)
+    for proxy in proxies:
+        proxy.settle()
+    s = report.summary
+    assert s["errors"] == 0
+    assert [len(chats(p)) for p in proxies] == [sent.count(p.url) for p in proxies] == [8, 4]
+    assert [mock_stats(b)["chat_requests"] for b in backends] == [8, 4]
+    # the rows keep the workload's order; each answer came from the stand-in behind the replica it was sent to
+    assert [(r.user, r.kind, r.round) for r in report.rows] == [(t.user, t.kind, t.turn) for t in workload]
+    assert s["computed"] == sum(mock_stats(b)["prompt_tokens_computed"] for b in backends)
+    # bytes written: both replicas' /metrics, summed
+    written = sum((r.save_bytes or 0) + (r.swap_save_bytes or 0) for p in proxies for r in chats(p))
+    assert s["bytes_written"] == written > 0
+    assert min(len(chats(p)) for p in proxies) > 0 and all(any(r.saved for r in chats(p)) for p in proxies)
+    with pytest.raises(rp.ReplayError, match="3 targets for 12 requests"):
+        rp.replay(proxies[0].url, workload, targets=sent[:3])
+
+
 def test_lpcache_without_session_header_is_prefix_mode(start_backend: Any, start_proxy: Any) -> None:
     # a prefill that costs something: the second turn then waits for the slot of the first (being saved)
     backend = start_backend(prefill_ms_per_token=2.0)
