@@ -119,7 +119,8 @@ def content_of(doc: Any) -> Content | None:
 class _Held:
     lease: Lease
     stop: asyncio.Event
-    keeper: asyncio.Task[None]
+    renewals: asyncio.TimerHandle | None = None  # starts the keeper a third of the ttl on (most requests end sooner)
+    keeper: asyncio.Task[None] | None = None
 
 
 @dataclass
@@ -155,7 +156,7 @@ class Fleet:
         self.client = connect(url)
         self.leases = Leases(self.client, timeout=CALL_TIMEOUT)
         self.map = SharedMap(self.client, NAMESPACES, replica, self.on_change, on_reconnect=self.republish,
-                             prefix=prefix, own_applied=("slots",))
+                             prefix=prefix, own_applied=("slots",), gather=0.005)
         self._claim = self.client.register_script(_CLAIM)
         self._release = self.client.register_script(_RELEASE)
         self._held: dict[Slot, _Held] = {}
@@ -253,8 +254,9 @@ class Fleet:
         self._learn_holding(slot, _text(before), _text(state))
         self._fences[slot.name] = token   # what any replica wrote of the slot before this grant is older than now
         stop = asyncio.Event()
-        keeper = asyncio.create_task(self.leases.keep(lease, stop), name=f"lease keeper {slot.name}")
-        self._held[slot] = _Held(lease, stop, keeper)
+        held = _Held(lease, stop)
+        held.renewals = asyncio.get_running_loop().call_later(self.ttl_ms / 3000, self._start_keeper, slot.name, held)
+        self._held[slot] = held
         slot.elsewhere = None
         return True
 
@@ -300,6 +302,13 @@ class Fleet:
         if doc.get("replica") != self.replica or slot.content is None:
             slot.content = content_of(doc.get("content"))
 
+    def _start_keeper(self, name: str, held: _Held) -> None:
+        """The request holds the slot a third of the lease's ttl on: renew it from now on, until released (the
+        keeper's first renewal comes a third of the ttl after the grant)."""
+        if not held.stop.is_set():
+            held.keeper = asyncio.create_task(self.leases.keep(held.lease, held.stop, first=0.0),
+                                              name=f"lease keeper {name}")
+
     def released(self, slot: Slot) -> None:
         """The pool gave the slot back: write what it holds and give the lease up, in one script, off the request's
         way (a claim of the same slot by this replica waits for it)."""
@@ -307,6 +316,8 @@ class Fleet:
         if held is None:
             return
         held.stop.set()
+        if held.renewals is not None:
+            held.renewals.cancel()
         payload = orjson.dumps({"token": held.lease.token, "replica": self.replica,
                                 "content": content_doc(slot.content)})
         done = self._releasing[slot.name] = asyncio.Event()
@@ -329,8 +340,9 @@ class Fleet:
             done.set()
             if self._releasing.get(name) is done:
                 del self._releasing[name]
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.wait([held.keeper])
+            if held.keeper is not None:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait([held.keeper])
 
     def _elsewhere(self, slot: Slot, replica: str, seconds: float) -> None:
         """Another replica holds the slot, for `seconds` at most (its lease's time left): the requests waiting here

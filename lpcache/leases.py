@@ -193,14 +193,16 @@ class Leases:
             stop.set()      # not keeper.cancel(): a cancel inside redis-py can be swallowed (above)
             await asyncio.wait([self._released(lease), keeper])   # a second cancel leaves both to finish
 
-    async def keep(self, lease: Lease, stop: asyncio.Event) -> None:
+    async def keep(self, lease: Lease, stop: asyncio.Event, first: float | None = None) -> None:
         """Renew until stopped; set `lost` when Redis says the lease is gone, or when it lapsed unrenewed (Redis
         down), since then another replica may hold it."""
         every = lease.ttl_ms / 3000
+        wait = every if first is None else first   # `first`: seconds to the first renewal (the caller waited)
         while True:
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(max(0.0, min(every, lease.expires - time.monotonic()))):
+                async with asyncio.timeout(max(0.0, min(wait, lease.expires - time.monotonic()))):
                     await stop.wait()
+            wait = every
             if stop.is_set() or lease.released:
                 return
             if time.monotonic() >= lease.expires:

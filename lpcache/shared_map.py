@@ -83,7 +83,8 @@ class SharedMap:
     def __init__(self, client: aioredis.Redis, namespaces: Iterable[str], replica_id: str,
                  on_change: OnChange | None = None, *, on_reconnect: OnReconnect | None = None,
                  prefix: str = "lpcache", maxlen: int = 10_000, block: float = 1.0,
-                 backoff: tuple[float, float] = (0.1, 5.0), own_applied: Iterable[str] = ()) -> None:
+                 backoff: tuple[float, float] = (0.1, 5.0), own_applied: Iterable[str] = (),
+                 gather: float = 0.0) -> None:
         if client.connection_pool.connection_kwargs.get("decode_responses"):
             raise ValueError("SharedMap needs a client that returns bytes (decode_responses=False)")
         self.client = client
@@ -113,6 +114,7 @@ class SharedMap:
         # Namespaces whose changes by this replica's own scripts (`keys_of`) the follower does not read back: the
         # caller applied them itself (fleet's slot states), which spares a round trip per change.
         self.own_applied = frozenset(own_applied)
+        self.gather = gather   # seconds to let changes gather after a batch: fewer wake-ups under load
         self._own = replica_id.encode()
 
     def keys_of(self, ns: str) -> tuple[str, str, str]:
@@ -225,6 +227,11 @@ class SharedMap:
         if not entries:   # quiet: check nothing was lost or missed meanwhile
             self._load_needed = any(await self._probe())
             return
+        await self._apply_batch(entries)
+        if self.gather > 0:
+            await asyncio.sleep(self.gather)
+
+    async def _apply_batch(self, entries: list[tuple[str, dict[bytes, bytes]]]) -> None:
         async with self._lock:
             last: dict[tuple[str, str], tuple[int, bytes]] = {}   # the last change of each key in the batch
             version = self._version
