@@ -551,6 +551,10 @@ def plugin_specs(values: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
         if values["PREFILTER_RESULT_CACHE_DIR"]:
             specs.append({"name": "result_cache", "params": {
                 "dir": values["PREFILTER_RESULT_CACHE_DIR"], "ttl_secs": values["PREFILTER_RESULT_CACHE_TTL"]}})
+    if values["REDIS_URL"]:   # the replicas share one result cache, unless a spec names its own redis_url
+        specs = [{**spec, "params": {**(spec.get("params") or {}), "redis_url": values["REDIS_URL"]}}
+                 if spec.get("name") == "result_cache" and "redis_url" not in (spec.get("params") or {}) else spec
+                 for spec in specs]
     if values["REQUEST_LOG"] and not any(spec["name"] == "request_log" for spec in specs):
         params: dict[str, Any] = {"path": values["REQUEST_LOG_PATH"], "max_bytes": values["REQUEST_LOG_MAX_BYTES"],
                                   "keep": values["REQUEST_LOG_KEEP"]}

@@ -10,6 +10,10 @@ the aggregated completion is stored and hits are served to them as SSE).
 
 Every `sweep_secs` the folder is swept: expired entries are deleted whether or not their request comes back, and
 past `max_entries` the oldest ones go, so the folder stays bounded however many distinct requests clients send.
+
+With `redis_url` (set from REDIS_URL unless the spec says otherwise: several replicas then share one result cache),
+entries are Redis keys `lpcache:result:<entry_key>` with the same JSON, expiring after `ttl_secs` (Redis drops them:
+no sweep), instead of files. A Redis that does not answer is a miss, and a result not stored: never a failed request.
 """
 
 from __future__ import annotations
@@ -93,6 +97,21 @@ class RemoveAfterServe(PostCleanup):
         await asyncio.to_thread(_unlink, self.path)
 
 
+class RemoveKeyAfterServe(PostCleanup):
+    """`remove_after_serve` with entries in Redis: the served key goes, once."""
+
+    def __init__(self, plugin: ResultCachePrefilter, key: str) -> None:
+        self.plugin, self.key, self._done = plugin, key, False
+
+    async def run(self, request: ChatRequest) -> None:
+        if not self._done and self.plugin.redis is not None:
+            self._done = True
+            try:
+                await self.plugin.redis.delete(self.key)
+            except Exception as e:
+                log.warning("result cache: cannot delete %s from Redis: %s", self.key, e)
+
+
 class ResultCachePrefilter(Prefilter):
     """Serves fresh stored results; stores successful backend results."""
 
@@ -111,11 +130,18 @@ class ResultCachePrefilter(Prefilter):
                                        rule="a number > 0")
         self.max_entries: int = param(p, "max_entries", int, 10000, plugin=self.name, check=lambda v: v >= 0,
                                       rule="an integer >= 0")
+        self.redis_url: str | None = param(p, "redis_url", str, "", plugin=self.name) or None
+        self.redis: Any = None
         self.clock: Callable[[], float] = time.time  # replaced by tests
         self._storing: set[str] = set()
         self._sweeper: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
+        if self.redis_url:
+            from ..shared_map import connect  # redis-py only when asked for
+
+            self.redis = connect(self.redis_url)
+            return
         try:
             await asyncio.to_thread(os.makedirs, self.dir, exist_ok=True)
         except OSError as e:
@@ -123,6 +149,10 @@ class ResultCachePrefilter(Prefilter):
         self._sweeper = asyncio.create_task(self._sweep_every())
 
     async def stop(self) -> None:
+        if self.redis is not None:
+            with contextlib.suppress(Exception):
+                await self.redis.aclose()
+            self.redis = None
         if self._sweeper is not None:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -171,6 +201,8 @@ class ResultCachePrefilter(Prefilter):
             return None
         if request.stream and not self.cache_streaming:
             return None
+        if self.redis is not None:
+            return await self._check_redis(request)
         try:
             found = await asyncio.to_thread(self._lookup, request)
         except Exception as e:  # a cache that cannot be read is a miss, never a failed request
@@ -180,6 +212,28 @@ class ResultCachePrefilter(Prefilter):
             return None
         path, completion = found
         cleanup = RemoveAfterServe(path) if self.remove_after_serve else None
+        if request.stream:
+            return Serve(body=completion_to_sse(completion), content_type="text/event-stream", cleanup=cleanup)
+        return Serve(body=orjson.dumps(completion), content_type="application/json", cleanup=cleanup)
+
+    def redis_key(self, request: ChatRequest) -> str:
+        return f"lpcache:result:{entry_key(request)}"
+
+    async def _check_redis(self, request: ChatRequest) -> Verdict:
+        key = await asyncio.to_thread(self.redis_key, request)
+        try:
+            raw = await self.redis.get(key)
+        except Exception as e:   # Redis down: a miss
+            log.warning("result cache: Redis lookup failed: %s", e)
+            return None
+        try:
+            doc = orjson.loads(raw) if raw is not None else None
+        except orjson.JSONDecodeError:
+            doc = None
+        completion = doc.get("completion") if isinstance(doc, dict) else None
+        if not isinstance(completion, dict):
+            return None
+        cleanup = RemoveKeyAfterServe(self, key) if self.remove_after_serve else None
         if request.stream:
             return Serve(body=completion_to_sse(completion), content_type="text/event-stream", cleanup=cleanup)
         return Serve(body=orjson.dumps(completion), content_type="application/json", cleanup=cleanup)
@@ -217,6 +271,14 @@ class ResultCachePrefilter(Prefilter):
         if answer.stream and not self.cache_streaming:
             return
         if not isinstance(completion.get("choices"), list) or not completion["choices"]:
+            return
+        if self.redis is not None:
+            try:
+                key = await asyncio.to_thread(self.redis_key, request)
+                data = orjson.dumps({"created": self.clock(), "completion": completion})
+                await self.redis.set(key, data, px=self.ttl_secs * 1000 if self.ttl_secs > 0 else None)
+            except Exception as e:
+                log.warning("result cache: cannot store a result in Redis: %s", e)
             return
         try:
             path = await asyncio.to_thread(self.entry_path, request)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from concurrent.futures import ThreadPoolExecutor
@@ -244,3 +245,24 @@ def test_a_slot_whose_holder_died_mid_request_is_not_believed_to_hold_anything(
     b.settle()
     record = b.records[-1]
     assert record.restored and record.cache_hit, record
+
+
+def test_the_result_cache_is_shared_through_redis(start_backend: Any, start_proxy: Any,
+                                                  redis_server: RedisServer, tmp_path: Any) -> None:
+    from lpcache.config import load_settings
+
+    backend = start_backend(slots=1)
+    specs = load_settings([], {"REDIS_URL": redis_server.url, "PLUGINS": json.dumps(
+        [{"name": "result_cache", "params": {"dir": str(tmp_path / "results"), "ttl_secs": 60}}])}).plugins
+    assert specs[0]["params"]["redis_url"] == redis_server.url, "REDIS_URL reaches the result cache"
+    a, b = replicas(start_proxy, [backend], redis_server, tmp_path, plugins=specs)
+    body = {**chats.request(700, 60), "temperature": 0}
+    first = a.post(body)
+    assert first.status_code == 200
+    a.wait_finished(1)
+    second = b.post(body)
+    assert second.status_code == 200
+    b.wait_finished(1)
+    assert b.records[0].prefilter == "result_cache:serve", b.records[0]
+    assert second.json()["choices"] == first.json()["choices"]
+    assert not os.path.exists(tmp_path / "results") or not os.listdir(tmp_path / "results")
