@@ -266,3 +266,79 @@ def test_the_result_cache_is_shared_through_redis(start_backend: Any, start_prox
     assert b.records[0].prefilter == "result_cache:serve", b.records[0]
     assert second.json()["choices"] == first.json()["choices"]
     assert not os.path.exists(tmp_path / "results") or not os.listdir(tmp_path / "results")
+
+
+async def test_fleet_claims_never_give_one_slot_to_two_valid_holders(redis_server: RedisServer, tmp_path: Any) -> None:
+    """Many requests of four replicas' claims on two slots, with random work, crashes (no release, no renewal) and
+    stalls (renewals stopped, work going on): whenever a claim succeeds, no other replica holds a valid lease on that
+    slot, and each slot accepts writes in token order (a holder writes only while its lease is valid)."""
+    import asyncio
+
+    from lpcache.fleet import Fleet
+    from lpcache.index import MetaIndex
+    from lpcache.sessions import SessionBook
+    from lpcache.slots import Slot, SlotPool
+    from lpcache.speeds import SpeedBook
+
+    rng = random.Random(7)
+    fleets = []
+    for i in range(4):
+        pool = SlotPool([Slot(0, n, url="http://b:8080") for n in range(2)])
+        index = MetaIndex(str(tmp_path / f"meta{i}"), 10, 10)
+        fleet = Fleet(redis_server.url, f"r{i}", 150, [], pool, index, SessionBook(), SpeedBook(),
+                      lambda c: asyncio.ensure_future(c))
+        await fleet.start()
+        fleets.append(fleet)
+    written: dict[str, list[int]] = {"http://b:8080#0": [], "http://b:8080#1": []}
+    counts = {"claimed": 0, "refused": 0, "crashed": 0, "stalled": 0, "stopped writing": 0}
+
+    async def request(i: int) -> None:
+        fleet = fleets[i % 4]
+        await asyncio.sleep(rng.uniform(0, 1.0))
+        while True:
+            idle = [s for s in fleet.pool.slots if not s.busy]
+            if idle:
+                slot = rng.choice(idle)
+                slot.busy = True
+                if await fleet.claim(slot):
+                    break
+                slot.busy = False
+                counts["refused"] += 1
+            await asyncio.sleep(rng.uniform(0.005, 0.02))
+        counts["claimed"] += 1
+        mine = fleet._held[slot].lease
+        for other in fleets:
+            if other is not fleet:
+                theirs = next((h.lease for s, h in other._held.items() if s.name == slot.name), None)
+                assert theirs is None or not theirs.valid(), f"{slot.name}: {theirs} valid beside {mine}"
+        mode = rng.choice(["work", "work", "work", "crash", "stall"])
+        held = fleet._held[slot]
+        if mode in ("crash", "stall"):
+            if held.renewals is not None:
+                held.renewals.cancel()
+            held.stop.set()
+        for _ in range(rng.randint(1, 8)):
+            await asyncio.sleep(rng.uniform(0.01, 0.06))
+            if mode == "crash":
+                break
+            if not fleet.valid(slot):
+                counts["stopped writing"] += 1
+                break
+            log = written[slot.name]
+            assert not log or mine.token >= log[-1], f"{slot.name}: token {mine.token} after {log[-1]}"
+            log.append(mine.token)
+        if mode == "crash":
+            counts["crashed"] += 1
+            fleet._held.pop(slot)
+            slot.busy = False   # this replica is gone as far as the slot is concerned: its lease lapses
+        else:
+            counts["stalled"] += mode == "stall"
+            fleet.pool.release(slot)
+
+    try:
+        await asyncio.wait_for(asyncio.gather(*(request(i) for i in range(60))), 60)
+    finally:
+        for fleet in fleets:
+            await fleet.stop()
+    print(counts)
+    assert counts["claimed"] == 60 and counts["refused"] > 0 and counts["crashed"] > 0
