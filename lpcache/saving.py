@@ -303,6 +303,9 @@ class Saver:
             return False
         if not await self.pool.take_idle(slot, force):
             return False
+        if slot.content is not held:   # its claim told another replica used it meanwhile: not this cache any more
+            self.pool.release(slot, True, used=False)
+            return False
         try:
             ok = await self.save_held(backend, slot, held, None)
             log.info("background_save why=%s slot=%s file=%s ok=%s", why, slot.name, held.key, str(ok).lower())

@@ -313,8 +313,7 @@ class SessionBook:
         """The entry of a session another replica served (created, oldest first, when this one never saw it)."""
         info = self._by_file.get(file)
         if info is None:
-            info = SessionInfo(session, route, file, owner=owner)
-            self._by_file = {file: info, **self._by_file}
+            info = self._by_file[file] = SessionInfo(session, route, file, owner=owner)
             while len(self._by_file) > self.limit:
                 self._forget(next(iter(self._by_file)))
         return info
