@@ -36,7 +36,7 @@ from redis.exceptions import RedisError
 from .backends import Backend
 from .errors import SharedStoreDown
 from .index import MetaIndex
-from .leases import PREFIX, Holder, Lease, Leases, drift
+from .leases import COUNTER, GRANT, PREFIX, Holder, Lease, Leases, drift
 from .sessions import SessionBook, SessionInfo
 from .shared_map import SharedMap, connect
 from .slots import Content, Slot, SlotPool, Want
@@ -57,15 +57,7 @@ SPEEDS_EVERY = 5.0             # seconds between two publications of one backend
 # after the token, ttl ms, slot name, replica, maxlen, what the request will leave in the slot (JSON).
 _CLAIM = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return {0, redis.call('PTTL', KEYS[1])} end
-local token = redis.call('INCR', KEYS[2])
-local now = redis.call('TIME')
-local floor = tonumber(now[1]) * 1000000 + tonumber(now[2])
-if token < floor then
-  token = floor
-  redis.call('SET', KEYS[2], string.format('%.0f', token))
-end
-local text = string.format('%.0f', token)
-redis.call('SET', KEYS[1], text .. ' ' .. ARGV[1], 'PX', ARGV[2])
+""" + GRANT + """
 local before = redis.call('HGET', KEYS[3], ARGV[3]) or ''
 redis.call('HSET', KEYS[3], ARGV[3], text)
 local state = redis.call('HGET', KEYS[4], ARGV[3]) or ''
@@ -265,7 +257,7 @@ class Fleet:
         try:
             async with self._bounded():
                 return await self._claim(  # type: ignore[no-any-return]
-                    keys=[PREFIX + slot.name, PREFIX + "token", GRANTED, table, counter, stream],
+                    keys=[PREFIX + slot.name, COUNTER, GRANTED, table, counter, stream],
                     args=[str(holder), self.ttl_ms, slot.name, self.replica, self.map.maxlen,
                           orjson.dumps(pending)])
         except (RedisError, OSError) as e:
@@ -326,17 +318,12 @@ class Fleet:
     async def _give_back(self, name: str, held: _Held, payload: bytes, done: asyncio.Event) -> None:
         lease = held.lease
         lease.released = True
-        counter, stream, table = self.map.keys_of("slots")
         try:
-            async with self._bounded():
-                await self._release(keys=[PREFIX + name, counter, stream, table],
-                                    args=[lease.value, self.replica, self.map.maxlen, name, payload, "1"])
-            self._fences[name] = max(self._fences.get(name, 0), lease.token)
-        except (RedisError, OSError) as e:
-            self.stats.redis_errors += 1
-            log.warning("slot_release_failed slot=%s: %r; its lease lapses within %d ms", name, e, self.ttl_ms)
+            if await self._write_state(name, held, payload, release=True):
+                self._fences[name] = max(self._fences.get(name, 0), lease.token)
+            else:
+                log.warning("slot_release_failed slot=%s; its lease lapses within %d ms", name, self.ttl_ms)
         finally:
-            self.stats.redis_calls += 1
             done.set()
             if self._releasing.get(name) is done:
                 del self._releasing[name]
@@ -358,16 +345,21 @@ class Fleet:
             return
         payload = orjson.dumps({"token": held.lease.token, "replica": self.replica, "busy": True, "phase": "save",
                                 "pending": content_doc(slot.pending)})   # its answer is over
-        self.spawn(self._phase(slot.name, held, payload))
+        self.spawn(self._write_state(slot.name, held, payload))
 
-    async def _phase(self, name: str, held: _Held, payload: bytes) -> None:
+    async def _write_state(self, name: str, held: _Held, payload: bytes, release: bool = False) -> bool:
+        """The slot's state written the map's way while the lease is still `held`'s (and the lease deleted with
+        `release`): one script; False when Redis did not answer."""
         counter, stream, table = self.map.keys_of("slots")
         try:
             async with self._bounded():
                 await self._release(keys=[PREFIX + name, counter, stream, table],
-                                    args=[held.lease.value, self.replica, self.map.maxlen, name, payload, "0"])
+                                    args=[held.lease.value, self.replica, self.map.maxlen, name, payload,
+                                          "1" if release else "0"])
+            return True
         except (RedisError, OSError):
             self.stats.redis_errors += 1
+            return False
         finally:
             self.stats.redis_calls += 1
 

@@ -30,8 +30,9 @@ log = logging.getLogger("lpcache.leases")
 PREFIX = "lpcache:lease:"
 COUNTER = PREFIX + "token"
 
-_ACQUIRE = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return false end
+# The grant, shared with the fleet's claim: a token from the counter KEYS[2], floored at Redis's clock in
+# microseconds, and the lease KEYS[1] set to `<token> ARGV[1]` for ARGV[2] ms; `text` is the token.
+GRANT = """
 local token = redis.call('INCR', KEYS[2])
 local now = redis.call('TIME')
 local floor = tonumber(now[1]) * 1000000 + tonumber(now[2])
@@ -41,6 +42,10 @@ if token < floor then
 end
 local text = string.format('%.0f', token)
 redis.call('SET', KEYS[1], text .. ' ' .. ARGV[1], 'PX', ARGV[2])
+"""
+_ACQUIRE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return false end
+""" + GRANT + """
 return text
 """
 _RENEW = """
