@@ -50,13 +50,23 @@ GRANTED = PREFIX + "granted"   # hash: slot name -> the last token granted on it
 # 0.5 s socket timeouts, one retry), which fails a call cleanly; this one cuts it mid-reply, so the connections go.
 CALL_TIMEOUT = 2.5
 SPEEDS_EVERY = 5.0             # seconds between two publications of one backend's speeds
+SESSIONS_SHARED = 10_000       # session documents kept in Redis: past a tenth more, the oldest go
 
 # Claim: the lease (as leases._ACQUIRE does), the last token granted on this slot before, and the slot's state in the
 # map, which then says the slot is busy with this replica's request (written the shared map's way, so every mirror
 # learns it). KEYS: lease, token counter, granted hash, slots hash, version counter, change stream. ARGV: value
-# after the token, ttl ms, slot name, replica, maxlen, what the request will leave in the slot (JSON).
+# after the token, ttl ms, slot name, replica, maxlen, what the request will leave in the slot (JSON). A lease that
+# already names this holder is its own grant (the client sent the call again when the first answer was lost): its
+# token is returned, with the state this claim wrote (busy: what the slot held is then unknown).
 _CLAIM = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return {0, redis.call('PTTL', KEYS[1])} end
+local held = redis.call('GET', KEYS[1])
+if held then
+  local at = string.find(held, ' ', 1, true)
+  if at and string.sub(held, at + 1) == ARGV[1] then
+    return {string.sub(held, 1, at - 1), '', redis.call('HGET', KEYS[4], ARGV[3]) or ''}
+  end
+  return {0, redis.call('PTTL', KEYS[1])}
+end
 """ + GRANT + """
 local before = redis.call('HGET', KEYS[3], ARGV[3]) or ''
 redis.call('HSET', KEYS[3], ARGV[3], text)
@@ -136,7 +146,6 @@ class Fleet:
         self.url = url
         self.prefix = prefix
         self.ring_files = ring_files
-        self._ring_local: dict[str, int] = {}
         self.replica = replica
         self.ttl_ms = ttl_ms
         self.backends = list(backends)
@@ -147,14 +156,18 @@ class Fleet:
         self.spawn = spawn
         self.client = connect(url)
         self.leases = Leases(self.client, timeout=CALL_TIMEOUT)
+        # a reconnection is tried every second at most: a replica that still decides alone while the others lease
+        # again is the one gap in the slots' exclusion (docs/scale-out.md, Failures)
         self.map = SharedMap(self.client, NAMESPACES, replica, self.on_change, on_reconnect=self.republish,
-                             prefix=prefix, own_applied=("slots",), gather=0.005)
+                             prefix=prefix, own_applied=("slots",), gather=0.005, backoff=(0.1, 1.0))
         self._claim = self.client.register_script(_CLAIM)
         self._release = self.client.register_script(_RELEASE)
         self._held: dict[Slot, _Held] = {}
         self._releasing: dict[str, asyncio.Event] = {}   # slot name -> set once its release is done
         self._fences: dict[str, int] = {}        # slot name -> the highest token whose state this replica applied
         self._unpublished: set[tuple[str, str]] = set()   # (ns, key) whose write failed while Redis was down
+        self._unleased: set[Slot] = set()        # slots used without a lease (Redis down), to reconcile when back
+        self._pruning = False
         self._speeds_at: dict[str, float] = {}
         self._requests = count(1)
         self._warned = False
@@ -214,8 +227,8 @@ class Fleet:
         releasing = self._releasing.get(slot.name)
         if releasing is not None:   # this replica's own release of it is on its way
             await releasing.wait()
-        if not self.map.healthy:
-            self._local("redis down")
+        if self.map.down:
+            self._local(slot, "redis down")
             return True
         started = time.perf_counter()
         sent = time.monotonic()
@@ -231,7 +244,7 @@ class Fleet:
             raise
         except SharedStoreDown as e:
             self.stats.redis_errors += 1
-            self._local(str(e))
+            self._local(slot, str(e))
             return True
         finally:
             self.stats.redis_calls += 1
@@ -264,12 +277,20 @@ class Fleet:
             raise SharedStoreDown(f"Redis did not answer a slot claim on {slot.name}: {e!r}") from e
 
     def _give_back_granted(self, call: asyncio.Future[list[Any]], slot: Slot, holder: Holder, sent: float) -> None:
+        """A claim whose request left while Redis answered: when it was granted, the slot goes back at once, its
+        state as the claim found it (the claim wrote it busy: left so, the other replicas would wait for it)."""
         if call.cancelled() or call.exception() is not None:
             return
-        token = int(call.result()[0])
-        if token:
-            lease = Lease(slot.name, holder, token, self.ttl_ms, sent)
-            self.spawn(self._quietly(self.leases.release(lease)))
+        answer = call.result()
+        token = int(answer[0])
+        if not token:
+            return
+        found = _trusted(_text(answer[1]), _text(answer[2]))
+        held = _Held(Lease(slot.name, holder, token, self.ttl_ms, sent), asyncio.Event())
+        payload = orjson.dumps({"token": token, "replica": self.replica,
+                                "content": found.get("content") if found else None})
+        done = self._releasing[slot.name] = asyncio.Event()
+        self.spawn(self._give_back(slot.name, held, payload, done))
 
     def _learn_holding(self, slot: Slot, before: str, state: str) -> None:
         """What the slot holds now that this replica has it: the map's state, when its writer was the last holder
@@ -277,20 +298,14 @@ class Fleet:
         yet leaves this replica's own belief."""
         if not state:
             return
-        version, _, payload = state.partition(":")
-        try:
-            doc = orjson.loads(payload)
-        except orjson.JSONDecodeError:
-            slot.content = None
-            return
-        written_by = doc.get("token") if isinstance(doc, dict) else None
-        if (before and str(written_by) != before) or doc.get("busy"):
+        doc = _trusted(before, state)
+        if doc is None:
             if slot.content is not None:
                 log.info("slot_content_unknown slot=%s: its last holder never said what it left (it stopped "
                          "mid-request)", slot.name)
             slot.content = None
             return
-        self._fences[slot.name] = max(self._fences.get(slot.name, 0), int(written_by or 0))
+        self._fences[slot.name] = max(self._fences.get(slot.name, 0), int(doc.get("token") or 0))
         if doc.get("replica") != self.replica or slot.content is None:
             slot.content = content_of(doc.get("content"))
 
@@ -306,6 +321,8 @@ class Fleet:
         way (a claim of the same slot by this replica waits for it)."""
         held = self._held.pop(slot, None)
         if held is None:
+            if slot in self._unleased and not self.map.down and slot.name not in self._releasing:
+                self._reconcile(slot)
             return
         held.stop.set()
         if held.renewals is not None:
@@ -330,6 +347,40 @@ class Fleet:
             if held.keeper is not None:
                 with contextlib.suppress(asyncio.CancelledError):
                     await asyncio.wait([held.keeper])
+
+    def _reconcile(self, slot: Slot) -> None:
+        """A slot used without a lease while Redis was down: what the others believe it holds may be stale, and so
+        may this replica's own belief (another replica may have used it meanwhile). Its shared state becomes
+        "unknown" under a new grant, and this replica asks the server (`slot_truth`) before trusting its belief."""
+        self._unleased.discard(slot)
+        if slot.backend < len(self.backends):
+            self.backends[slot.backend].suspect = True
+        done = self._releasing[slot.name] = asyncio.Event()   # this replica's claims of it wait for this
+        self.spawn(self._unknown(slot, done))
+
+    async def _unknown(self, slot: Slot, done: asyncio.Event) -> None:
+        try:
+            holder = Holder(self.replica, f"{next(self._requests):x}")
+            sent = time.monotonic()
+            try:
+                answer = await self._claim_call(slot, holder, None)
+            except SharedStoreDown:
+                self.stats.redis_errors += 1
+                self._unleased.add(slot)   # again at the next reconnection
+                return
+            finally:
+                self.stats.redis_calls += 1
+            token = int(answer[0])
+            if not token:
+                return   # another replica holds it now: its release will say what it holds
+            held = _Held(Lease(slot.name, holder, token, self.ttl_ms, sent), asyncio.Event())
+            payload = orjson.dumps({"token": token, "replica": self.replica, "content": None})
+            if await self._write_state(slot.name, held, payload, release=True):
+                self._fences[slot.name] = max(self._fences.get(slot.name, 0), token)
+        finally:
+            done.set()
+            if self._releasing.get(slot.name) is done:
+                del self._releasing[slot.name]
 
     def _elsewhere(self, slot: Slot, replica: str, seconds: float) -> None:
         """Another replica holds the slot, for `seconds` at most (its lease's time left): the requests waiting here
@@ -369,8 +420,9 @@ class Fleet:
         held = self._held.get(slot)
         return held is None or held.lease.valid()
 
-    def _local(self, why: str) -> None:
+    def _local(self, slot: Slot, why: str) -> None:
         self.stats.local_claims += 1
+        self._unleased.add(slot)
         if not self._warned:
             self._warned = True
             log.warning("slot_claims_local reason=%s: Redis is unreachable; slots are taken on this replica's "
@@ -407,20 +459,31 @@ class Fleet:
     async def ring_name(self, backend: Backend) -> str | None:
         """The next name of the backend's ring of RING_FILES file names, when lpcache cannot see its slot-save
         folder (another host: lpcache cannot delete there); None when it can. The position is one counter in Redis
-        shared by every replica (this replica's own while Redis is down), so the backend holds at most RING_FILES
-        prefix-cache files whoever saved them."""
+        shared by every replica, so the backend holds at most RING_FILES prefix-cache files whoever saved them. A
+        name a slot holds, or that a request of this replica is about to restore, is passed over. Raises
+        SharedStoreDown when no name can be given: Redis is down (a counter of this replica's own would overwrite
+        the files the others name), or every name is in use; nothing is saved there then."""
         folder = backend.config.slot_save_path
         visible: bool = bool(folder) and await asyncio.to_thread(os.path.isdir, folder or "")
         if visible:
             return None
-        try:
-            async with self._bounded():
-                position = int(await self.client.incr(f"{self.prefix}:ring:{backend.url}"))
-        except (RedisError, OSError):
-            self.stats.redis_errors += 1
-            position = self._ring_local[backend.url] = self._ring_local.get(backend.url, 0) + 1
-        self.stats.redis_calls += 1
-        return ring_file(backend.url, position % self.ring_files)
+        if self.map.down:
+            raise SharedStoreDown("Redis is unreachable: the next name of the backend's ring of files is not known")
+        in_use = {key for s in self.pool.slots if s.backend == backend.index
+                  for key in (s.content.key if s.content else None, s.pending.key if s.pending else None) if key}
+        for _ in range(self.ring_files):
+            try:
+                async with self._bounded():
+                    position = int(await self.client.incr(f"{self.prefix}:ring:{backend.url}"))
+            except (RedisError, OSError) as e:
+                self.stats.redis_errors += 1
+                raise SharedStoreDown(f"Redis did not give the next ring file name: {e!r}") from e
+            finally:
+                self.stats.redis_calls += 1
+            name = ring_file(backend.url, position % self.ring_files)
+            if name not in in_use and not self.index.protected(name):
+                return name
+        raise SharedStoreDown(f"every one of the {self.ring_files} ring file names of {backend.url} is in use")
 
     # ---- the index, sessions, speeds ----
 
@@ -430,9 +493,32 @@ class Fleet:
 
     def session_saved(self, info: SessionInfo) -> None:
         doc = {"session": info.session, "route": info.route, "file": info.file, "owner": info.owner,
-               "file_bytes": info.file_bytes, "chain": list(info.saved_chain),
+               "file_bytes": info.file_bytes, "chain": list(info.saved_chain), "at": time.time(),
                "homes": [self.backends[i].url for i in sorted(info.homes) if i < len(self.backends)]}
         self.spawn(self._write("sessions", info.file, orjson.dumps(doc)))
+        if self.map.count("sessions") > SESSIONS_SHARED * 1.1 and not self._pruning:
+            self._pruning = True
+            self.spawn(self._prune_sessions())
+
+    async def _prune_sessions(self) -> None:
+        """Keep SESSIONS_SHARED session documents in Redis: the least recently saved go (their files may still
+        be on disk; a replica that meets the session again learns it from its own book)."""
+        try:
+            def when(item: tuple[str, bytes]) -> float:
+                try:
+                    at = orjson.loads(item[1]).get("at")
+                except (orjson.JSONDecodeError, AttributeError):
+                    return 0.0
+                return float(at) if isinstance(at, (int, float)) else 0.0
+            items = sorted(self.map.items("sessions"), key=when)
+            old = [key for key, _ in items[:max(0, len(items) - SESSIONS_SHARED)]]
+            for at in range(0, len(old), 256):
+                await self.map.update("sessions", deletes=old[at:at + 256])
+            log.info("sessions_pruned count=%d kept=%d", len(old), self.map.count("sessions"))
+        except SharedStoreDown as e:
+            log.warning("sessions_prune_failed: %s", e)
+        finally:
+            self._pruning = False
 
     def speeds_learnt(self, backend: int, model: str, speeds: Speeds) -> None:
         """Publish a backend's speeds, at most every SPEEDS_EVERY seconds: a new replica starts with them."""
@@ -463,7 +549,11 @@ class Fleet:
 
     async def republish(self, lost: bool) -> None:
         """Redis answers again: write what failed meanwhile; when it lost its data, everything this replica knows
-        first-hand (the index entries it has meta files of, the slots it last held, its sessions)."""
+        first-hand (the index entries it has meta files of, the slots it last held, its sessions). The slots it
+        used without a lease meanwhile are reconciled (`_reconcile`; one still in use, once it is given back)."""
+        for slot in list(self._unleased):
+            if not slot.busy and slot.name not in self._releasing:
+                self._reconcile(slot)
         if lost:
             for key, document in await asyncio.to_thread(self.index.documents):
                 await self.map.put("index", key, document)
@@ -542,6 +632,19 @@ def _adopt(rate: Rate, value: Any) -> None:
     """Another replica's measure of a rate this replica has not measured yet."""
     if rate.ms_per_token is None and isinstance(value, (int, float)) and value > 0:
         rate.ms_per_token = float(value)
+
+
+def _trusted(before: str, state: str) -> dict[str, Any] | None:
+    """The slot's state as a claim read it, when it says what the slot holds: written by the holder of the grant
+    before (`before`; empty: unknown) and not busy. None when that holder never said (it died mid-request)."""
+    _, _, payload = state.partition(":")
+    try:
+        doc = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(doc, dict) or doc.get("busy") or (before and str(doc.get("token")) != before):
+        return None
+    return doc
 
 
 def _text(value: bytes | str | int) -> str:

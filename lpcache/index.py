@@ -437,6 +437,10 @@ class MetaIndex:
         """A request chose this entry for a restore: nothing deletes it until `unprotect`."""
         self._protected[key] = self._protected.get(key, 0) + 1
 
+    def protected(self, key: str) -> bool:
+        """Whether a request of this process chose the entry's file to restore and has not restored it yet."""
+        return key in self._protected
+
     def unprotect(self, key: str) -> None:
         n = self._protected.get(key, 0) - 1
         if n > 0:

@@ -21,6 +21,7 @@ from typing import Any
 from . import swap
 from .backends import Backend
 from .config import Settings
+from .errors import SharedStoreDown
 from .index import MetaIndex, prefix_file
 from .llama import SlotAction
 from .prefix import Prompt
@@ -81,13 +82,13 @@ class Saver:
         self.background = BackgroundSaves()
         self.server_caches = ServerCaches()
         # With REDIS_URL: the next name of a backend's ring of file names, for a backend whose slot-save folder
-        # lpcache cannot see (`fleet.Fleet.ring_name`); None: the prompt's own name.
+        # lpcache cannot see (`fleet.Fleet.ring_name`); None: the prompt's own name; SharedStoreDown: not now.
         self.ring: Callable[[Backend], Awaitable[str | None]] | None = None
 
     async def file_name(self, backend: Backend, content: Content) -> Content:
         """The name a prefix cache is saved under: its own, or on a backend whose folder lpcache cannot see (and
         so cannot prune), the next of that backend's ring of RING_FILES names, whose previous entry is dropped:
-        the save overwrites its file."""
+        the save overwrites its file. SharedStoreDown when the ring has no name to give (Redis down): no save."""
         if self.ring is None or content.session is not None:
             return content
         name = await self.ring(backend)
@@ -191,7 +192,11 @@ class Saver:
         attempts = 1 + self.settings.save_retries
         model = RouterModels.slot_model(backend, prompt.model)
         result: SlotAction | None = None
-        content = await self.file_name(backend, content)
+        try:
+            content = await self.file_name(backend, content)
+        except SharedStoreDown as e:
+            log.warning("slot_save_skipped slot=%s: %s", slot.name, e)
+            return content
         await self.index.saving(content.key, backend.config.slot_save_path)   # reconciled at start if we stop here
         for attempt in range(1, attempts + 1):
             try:
@@ -234,7 +239,11 @@ class Saver:
         model = RouterModels.slot_model(backend, held.model)
         if not await swap.wait_idle(backend.client, slot.id, model):
             return False
-        renamed = await self.file_name(backend, held)
+        try:
+            renamed = await self.file_name(backend, held)
+        except SharedStoreDown as e:
+            log.warning("slot_save_skipped slot=%s: %s", slot.name, e)
+            return False
         if renamed is not held:
             slot.content = held = renamed
         if held.session is None:

@@ -117,6 +117,12 @@ class SharedMap:
         self.gather = gather   # seconds to let changes gather after a batch: fewer wake-ups under load
         self._own = replica_id.encode()
 
+    @property
+    def down(self) -> bool:
+        """Redis failed since the last load and has not answered since: writes fail at once (`healthy` is also
+        False while a reload runs, with Redis answering)."""
+        return self._down
+
     def keys_of(self, ns: str) -> tuple[str, str, str]:
         """(version counter, change stream, the namespace's hash): for a script of another module that writes a
         change the map's way (INCR, HSET `<version>:<payload>`, XADD {ns, key, op, replica, version}) together

@@ -283,6 +283,12 @@ class SlotFiller:
             await self.routers.make_room(backend, prompt.model)
             if not self.enabled(backend, prompt.model):
                 return
+            if not self.pool.ours(choice.slot):
+                # the slot's lease lapsed (Redis down or stalled past SLOT_LEASE_MS): another replica may use it
+                # now, so nothing is saved from it or restored into it; the prompt is computed
+                log.warning("slot_fill_skipped_lease slot=%s: the slot's lease lapsed", choice.slot.name)
+                choice.slot.content = None
+                return
             if want is not None:
                 if want.fingerprint is not None and backend.identity(route_name(prompt.model)) != want.fingerprint:
                     # this backend runs another model than the one the session's file was named for: never
@@ -296,7 +302,7 @@ class SlotFiller:
             if held is not None and (held.dirty or (resavable(held) and held.key not in self.index)) and (
                     restoring or common_prefix(held.chain, prompt.exact) < len(held.chain)):
                 await self.saver.save_held(backend, slot, held, record)
-            if restoring and not self.pool.ours(slot):
+            if restoring and not self.pool.ours(slot):   # lapsed during the save
                 log.warning("restore_skipped_lease slot=%s: the slot's lease lapsed; its prompt is computed",
                             slot.name)
             elif restoring:
@@ -373,6 +379,9 @@ class SlotFiller:
             gained = common_prefix(info.saved_chain, prompt.exact)
             restore = speeds.restore_pays(round(speeds.tokens_of(len(info.saved_chain))), speeds.tokens_of(gained))
             record.restore_skipped = not restore or None
+        if not self.pool.ours(slot):
+            slot.content = None
+            return
         if slot.content is not None and slot.content.dirty and slot.content.session is None:
             await self.saver.index.saving(slot.content.key, backend.config.slot_save_path)   # may be saved here
         result = await swap.bring_in(backend.client, slot.id, slot.content, want, self.saver.folders[backend.index],

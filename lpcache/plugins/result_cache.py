@@ -36,6 +36,7 @@ from .base import Answer, ChatRequest, PluginError, PostCleanup, Prefilter, Serv
 
 log = logging.getLogger("lpcache.plugins.result_cache")
 
+REDIS_PAUSE = 2.0   # seconds the result cache leaves a Redis that failed alone (a miss meanwhile)
 _NOT_IN_KEY = ("stream", "stream_options")  # how the answer is delivered, not what it says
 
 
@@ -132,6 +133,7 @@ class ResultCachePrefilter(Prefilter):
                                       rule="an integer >= 0")
         self.redis_url: str | None = param(p, "redis_url", str, "", plugin=self.name) or None
         self.redis: Any = None
+        self._redis_quiet_until = 0.0   # after a failed call, Redis is left alone for REDIS_PAUSE seconds
         self.clock: Callable[[], float] = time.time  # replaced by tests
         self._storing: set[str] = set()
         self._sweeper: asyncio.Task[None] | None = None
@@ -219,12 +221,22 @@ class ResultCachePrefilter(Prefilter):
     def redis_key(self, request: ChatRequest) -> str:
         return f"lpcache:result:{entry_key(request)}"
 
+    def _redis_usable(self) -> bool:
+        return self.clock() >= self._redis_quiet_until
+
+    def _redis_failed(self, what: str, e: Exception) -> None:
+        """Redis down: one warning, then no call for REDIS_PAUSE seconds (each would wait for its timeout)."""
+        self._redis_quiet_until = self.clock() + REDIS_PAUSE
+        log.warning("result cache: %s in Redis failed, not tried again for %gs: %s", what, REDIS_PAUSE, e)
+
     async def _check_redis(self, request: ChatRequest) -> Verdict:
+        if not self._redis_usable():
+            return None
         key = await asyncio.to_thread(self.redis_key, request)
         try:
             raw = await self.redis.get(key)
         except Exception as e:   # Redis down: a miss
-            log.warning("result cache: Redis lookup failed: %s", e)
+            self._redis_failed("a lookup", e)
             return None
         try:
             doc = orjson.loads(raw) if raw is not None else None
@@ -273,12 +285,14 @@ class ResultCachePrefilter(Prefilter):
         if not isinstance(completion.get("choices"), list) or not completion["choices"]:
             return
         if self.redis is not None:
+            if not self._redis_usable():
+                return
             try:
                 key = await asyncio.to_thread(self.redis_key, request)
                 data = orjson.dumps({"created": self.clock(), "completion": completion})
                 await self.redis.set(key, data, px=self.ttl_secs * 1000 if self.ttl_secs > 0 else None)
             except Exception as e:
-                log.warning("result cache: cannot store a result in Redis: %s", e)
+                self._redis_failed("storing a result", e)
             return
         try:
             path = await asyncio.to_thread(self.entry_path, request)

@@ -342,3 +342,187 @@ async def test_fleet_claims_never_give_one_slot_to_two_valid_holders(redis_serve
             await fleet.stop()
     print(counts)
     assert counts["claimed"] == 60 and counts["refused"] > 0 and counts["crashed"] > 0
+
+
+async def _fleets(redis: RedisServer, tmp_path: Any, n: int, ttl_ms: int = 3000,
+                  folder: str | None = None) -> list[Any]:
+    """`n` replicas' Fleet objects on one backend of two slots (`folder`: its slot-save folder as lpcache sees
+    it; None: on another host), started."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from lpcache.fleet import Fleet
+    from lpcache.index import MetaIndex
+    from lpcache.sessions import SessionBook
+    from lpcache.slots import Slot, SlotPool
+    from lpcache.speeds import SpeedBook
+
+    fleets = []
+    for i in range(n):
+        backend = SimpleNamespace(index=0, url="http://b:8080", suspect=False,
+                                  config=SimpleNamespace(slot_save_path=folder))
+        pool = SlotPool([Slot(0, s, url="http://b:8080") for s in range(2)])
+        fleet = Fleet(redis.url, f"r{i}", ttl_ms, [backend], pool,   # type: ignore[list-item]
+                      MetaIndex(str(tmp_path / f"meta{i}"), 10, 10), SessionBook(), SpeedBook(),
+                      lambda c: asyncio.ensure_future(c), ring_files=4)
+        await fleet.start()
+        fleets.append(fleet)
+    return fleets
+
+
+def _state(redis: RedisServer, name: str) -> dict[str, Any]:
+    import redis as redis_sync
+
+    raw = redis_sync.Redis.from_url(redis.url).hget("lpcache:map:slots", name)
+    assert raw is not None, name
+    return json.loads(raw.decode().partition(":")[2])  # type: ignore[no-any-return]
+
+
+async def test_a_claim_the_client_sent_again_after_a_lost_answer_is_its_own_grant(
+        redis_server: RedisServer, tmp_path: Any) -> None:
+    """redis-py sends a call again on a new connection when the first one's answer was lost: the claim script,
+    run twice for one holder, grants the slot to that holder both times (not a refusal that leaves the slot
+    leased to nobody who knows it), and what the slot held is then unknown (the first run's reading is lost)."""
+    from lpcache.fleet import _trusted
+    from lpcache.leases import Holder
+
+    (fleet,) = await _fleets(redis_server, tmp_path, 1)
+    try:
+        slot = fleet.pool.slots[0]
+        holder = Holder("r0", "7")
+        first = await fleet._claim_call(slot, holder, None)
+        again = await fleet._claim_call(slot, holder, None)
+        assert int(first[0]) > 0 and int(again[0]) == int(first[0])
+        assert _trusted(again[1].decode(), again[2].decode()) is None, "its own busy state: unknown"
+        other = await fleet._claim_call(slot, Holder("r0", "8"), None)
+        assert int(other[0]) == 0 and int(other[1]) > 0, "another request of the same replica is refused"
+    finally:
+        await fleet.stop()
+
+
+async def test_a_granted_claim_whose_request_left_gives_the_slot_back_as_it_found_it(
+        redis_server: RedisServer, tmp_path: Any) -> None:
+    """The client of a claim left (cancelled) while Redis granted it: the lease goes at once and the slot's state
+    is the one the claim found, not "busy" (which would make every other replica wait for the lease's ttl)."""
+    import asyncio
+
+    from lpcache.leases import PREFIX, Holder
+    from lpcache.slots import Content
+
+    a, b = await _fleets(redis_server, tmp_path, 2)
+    try:
+        slot_a, slot_b = a.pool.slots[0], b.pool.slots[0]
+        slot_a.busy = True
+        assert await a.claim(slot_a)
+        slot_a.content = Content("k" * 64, (1, 2, 3), saved=True, model="m", tokens=40)
+        a.pool.release(slot_a, True)
+        assert await _wait_for(lambda: slot_b.content is not None and slot_b.content.key == "k" * 64)
+        call = asyncio.ensure_future(b._claim_call(slot_b, Holder("r1", "x"), None))
+        await call
+        assert _state(redis_server, slot_b.name)["busy"], "the claim wrote the slot busy"
+        b._give_back_granted(call, slot_b, Holder("r1", "x"), 0.0)
+        assert slot_b.name in b._releasing
+        assert await _wait_for(lambda: slot_b.name not in b._releasing)
+        state = _state(redis_server, slot_b.name)
+        assert not state.get("busy") and state["content"]["key"] == "k" * 64, state
+        import redis as redis_sync
+
+        assert not redis_sync.Redis.from_url(redis_server.url).exists(PREFIX + slot_b.name), "lease deleted"
+        assert await _wait_for(lambda: slot_a.elsewhere is None and slot_a.content is not None)
+        slot_a.busy = True
+        assert await a.claim(slot_a), "the slot is free for the other replica at once"
+        assert slot_a.content is not None and slot_a.content.key == "k" * 64
+        a.pool.release(slot_a, True)
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_slots_used_without_a_lease_while_redis_was_down_are_unknown_once_it_is_back(
+        redis_server: RedisServer, tmp_path: Any) -> None:
+    """While Redis is down a replica takes slots on its own word; another may have done the same. Once Redis is
+    back, the slot's shared state says "unknown" under a new token (every replica stops believing what it held),
+    and the replica that used it asks the server (its backend is suspect) before trusting its own belief."""
+    from lpcache.slots import Content
+
+    a, b = await _fleets(redis_server, tmp_path, 2)
+    try:
+        slot_a, slot_b = a.pool.slots[1], b.pool.slots[1]
+        slot_a.busy = True
+        assert await a.claim(slot_a)
+        slot_a.content = Content("c" * 64, (4, 5), saved=True, model="m", tokens=30)
+        a.pool.release(slot_a, True)
+        assert await _wait_for(lambda: slot_b.content is not None)
+        before = _state(redis_server, slot_a.name)["token"]
+        redis_server.kill()
+        assert await _wait_for(lambda: a.map.down and b.map.down, 20)
+        slot_a.busy = True
+        assert await a.claim(slot_a) and a.stats.local_claims == 1, "a local decision"
+        slot_a.content = Content("d" * 64, (6,), model="m", tokens=12)
+        a.pool.release(slot_a, True)
+        assert slot_a in a._unleased
+        redis_server.restart()
+        assert await _wait_for(lambda: not a.map.down and not a._unleased and slot_a.name not in a._releasing, 20)
+        assert a.backends[0].suspect, "A checks the server before trusting what it believes"
+        assert await _wait_for(lambda: b.healthy and slot_b.content is None, 20), slot_b.content
+        state = _state(redis_server, slot_a.name)
+        assert state["content"] is None and not state.get("busy") and state["token"] > before, state
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_the_ring_passes_over_names_in_use_and_names_none_while_redis_is_down(
+        redis_server: RedisServer, tmp_path: Any) -> None:
+    import pytest
+
+    from lpcache.errors import SharedStoreDown
+    from lpcache.fleet import ring_file
+    from lpcache.slots import Content
+
+    (fleet,) = await _fleets(redis_server, tmp_path, 1)
+    try:
+        backend = fleet.backends[0]
+        url = backend.url
+        ring = [ring_file(url, i) for i in range(4)]
+        fleet.pool.slots[0].content = Content(ring[1], (1,), saved=True, model="m")   # a slot holds that file
+        fleet.index.protect(ring[2])                                                # a restore chose that one
+        names = [await fleet.ring_name(backend) for _ in range(8)]
+        assert set(names) == {ring[0], ring[3]}, names
+        fleet.pool.slots[1].content = Content(ring[0], (2,), saved=True, model="m")
+        fleet.index.protect(ring[3])
+        with pytest.raises(SharedStoreDown, match="in use"):
+            await fleet.ring_name(backend)
+        fleet.index.unprotect(ring[3])
+        redis_server.kill()
+        assert await _wait_for(lambda: fleet.map.down, 20)
+        calls = fleet.stats.redis_calls
+        with pytest.raises(SharedStoreDown, match="unreachable"):
+            await fleet.ring_name(backend)
+        assert fleet.stats.redis_calls == calls, "no call to a Redis known to be down"
+        redis_server.restart()
+    finally:
+        await fleet.stop()
+
+
+async def test_the_shared_session_documents_are_bounded(redis_server: RedisServer, tmp_path: Any,
+                                                        monkeypatch: Any) -> None:
+    from lpcache import fleet as fleet_module
+
+    monkeypatch.setattr(fleet_module, "SESSIONS_SHARED", 20)
+    (fleet,) = await _fleets(redis_server, tmp_path, 1)
+    try:
+        for i in range(40):
+            info = fleet.sessions.known(f"session-file-{i}", f"user {i} ✓", "m", None)
+            info.saved_chain = (i, i + 1)
+            fleet.session_saved(info)
+            assert await _wait_for(lambda i=i: fleet.map.get("sessions", f"session-file-{i}") is not None
+                                   and not fleet._pruning)
+        kept = {key for key, _ in fleet.map.items("sessions")}
+        assert 20 <= len(kept) <= 22, len(kept)
+        assert "session-file-39" in kept and "session-file-0" not in kept, "the least recently saved went"
+        import redis as redis_sync
+
+        assert redis_sync.Redis.from_url(redis_server.url).hlen("lpcache:map:sessions") == len(kept)
+    finally:
+        await fleet.stop()

@@ -306,3 +306,32 @@ async def test_the_sweep_runs_by_itself(tmp_path: Path) -> None:
         await asyncio.sleep(0.01)
     await plugin.stop()
     assert plugin._sweeper is None
+
+
+async def test_a_redis_that_fails_is_left_alone_for_a_while(tmp_path: Path) -> None:
+    """With redis_url, a failed call is a miss (or a result not stored), and the next calls within REDIS_PAUSE
+    seconds are not tried (each would wait for the client's timeout); after it, Redis is tried again."""
+    from lpcache.plugins import result_cache
+
+    plugin = ResultCachePrefilter({"dir": str(tmp_path / "cache"), "redis_url": "redis://127.0.0.1:1/0"})
+    calls: list[str] = []
+
+    class Down:
+        async def get(self, key: str) -> bytes:
+            calls.append("get")
+            raise ConnectionError("refused")
+
+        async def set(self, key: str, data: bytes, px: int | None = None) -> None:
+            calls.append("set")
+            raise ConnectionError("refused")
+
+    plugin.redis = Down()
+    now = [100.0]
+    plugin.clock = lambda: now[0]
+    assert await plugin.check(request()) is None
+    assert await plugin.check(request()) is None
+    await plugin.answered(request(), answer())
+    assert calls == ["get"], "one try, then Redis is left alone"
+    now[0] += result_cache.REDIS_PAUSE + 0.1
+    await plugin.answered(request(), answer())
+    assert calls == ["get", "set"]
