@@ -57,6 +57,16 @@ def check_common(body: dict[str, Any]) -> None:
         raise BadRequest("'stream' must be true or false", code="invalid_stream")
     if "tools" in body and body["tools"] is not None and not isinstance(body["tools"], list):
         raise BadRequest("'tools' must be an array", code="invalid_tools")
+    for name in LENGTH_FIELDS:
+        value = body.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < -1):
+            # llama-server reads any negative as "until the context is full": a slot held for nothing
+            raise BadRequest(f"'{name}' must be an integer >= 0 (or -1: until the context is full, as llama-server "
+                             f"reads it), not {value!r}", code=f"invalid_{name}")
+
+
+# The answer's length limit under each API's name (Responses: max_output_tokens; llama-server's own: n_predict).
+LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "n_predict")
 
 
 @dataclass(frozen=True)

@@ -526,3 +526,61 @@ async def test_the_shared_session_documents_are_bounded(redis_server: RedisServe
         assert redis_sync.Redis.from_url(redis_server.url).hlen("lpcache:map:sessions") == len(kept)
     finally:
         await fleet.stop()
+
+
+def test_bad_input_cut_bodies_and_clients_that_leave_never_leave_a_slot_leased(
+        start_backend: Any, start_proxy: Any, redis_server: RedisServer, tmp_path: Any) -> None:
+    """Through two replicas on one one-slot server: bad bodies get OpenAI's error shape, a backend that cuts its
+    answer halfway and a client that leaves mid-stream end their request; after each, the slot's lease is gone and
+    its shared state is not "busy", so the other replica's next request takes the only slot at once (no claim of it
+    refused: no wait for the lease to lapse)."""
+    import redis as redis_sync
+
+    from lpcache.leases import PREFIX
+
+    backend = start_backend(slots=1, gen_ms_per_token=5.0)
+    a, b = replicas(start_proxy, [backend], redis_server, tmp_path, request_timeout=5.0)
+    client = redis_sync.Redis.from_url(redis_server.url)
+    slot_name = a.pipeline.pool.slots[0].name
+    sent = [0]   # requests sent to A
+
+    def nothing_held(proxy: Proxy) -> None:
+        proxy.wait_finished(sent[0])   # the request is over (a client that left: once lpcache saw it go)
+        proxy.settle()
+        assert proxy.busy_slots() == []
+        assert b.run(_wait_for(lambda: not client.exists(PREFIX + slot_name))), "the lease was given back"
+        state = client.hget("lpcache:map:slots", slot_name)   # none yet: no request claimed the slot
+        assert state is None or not json.loads(state.decode().partition(":")[2]).get("busy"), state
+        refused = b.pipeline.fleet.stats.claims_refused
+        r = b.post({**chats.request(800, 60), "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        b.settle()
+        assert b.pipeline.fleet.stats.claims_refused == refused, "the other replica took the slot at once"
+
+    for raw in (b"{not json", b'{"messages": "hello"}', json.dumps(
+            {"messages": [{"role": "user", "content": "ünïcode ✓ `code`"}], "max_tokens": -3}).encode()):
+        r = a.client.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+        sent[0] += 1
+        assert r.status_code in (400, 422), (raw, r.status_code, r.text)
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "code"} and err["type"] == "invalid_request_error", err
+    nothing_held(a)
+    # the backend cuts its answer halfway, streamed and not
+    for stream in (False, True):
+        httpx.post(f"{backend.url}/mock/faults", json={"body_cut": 1}).raise_for_status()
+        r = a.client.post("/v1/chat/completions", json={**chats.request(801, 200), "max_tokens": 40,
+                                                        "stream": stream})
+        sent[0] += 1
+        assert "Traceback" not in r.text
+        if stream:
+            assert r.status_code == 200 and "error" in r.text, r.text[-300:]
+        else:
+            assert r.status_code == 502 and r.json()["error"]["type"], r.text
+        nothing_held(a)
+    # a client that leaves mid-stream
+    with httpx.stream("POST", a.url + "/v1/chat/completions", timeout=30,
+                      json={**chats.request(802, 200), "max_tokens": 200, "stream": True}) as r:
+        assert r.status_code == 200
+        next(r.iter_bytes())
+    sent[0] += 1
+    nothing_held(a)

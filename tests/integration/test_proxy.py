@@ -159,6 +159,10 @@ def test_bad_json_is_422_in_openai_shape(proxy: Proxy) -> None:
     ({"messages": [{"role": "user", "content": 5}]}, "content"),
     ({"messages": [{"role": "user", "content": "hi"}], "model": 3}, "model"),
     ({"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, "stream"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}, "'max_tokens' must be an integer >= 0"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": "64"}, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2.5}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n_predict": True}, "n_predict"),
 ])
 def test_ill_formed_chat_bodies_are_400(proxy: Proxy, backend: Any, body: Any, fragment: str) -> None:
     r = proxy.client.post("/v1/chat/completions", json=body)
@@ -167,6 +171,13 @@ def test_ill_formed_chat_bodies_are_400(proxy: Proxy, backend: Any, body: Any, f
     assert r.json()["error"]["type"] == "invalid_request_error"
     assert mock_stats(backend)["chat_requests"] == 0
     assert proxy.busy_slots() == []
+
+
+@pytest.mark.parametrize("limit", [-1, 0, 3, None])
+def test_answer_lengths_llama_server_takes_pass(proxy: Proxy, limit: int | None) -> None:
+    """-1 (until the context is full) and 0 are llama-server's own values: passed on."""
+    r = proxy.chat(user(words(1, SMALL)), max_tokens=limit, n_predict=limit)
+    assert r.status_code == 200, r.text
 
 
 def test_backend_error_status_and_message_are_passed_on(proxy: Proxy, backend: Any) -> None:
