@@ -50,6 +50,7 @@ GRANTED = PREFIX + "granted"   # hash: slot name -> the last token granted on it
 # 0.5 s socket timeouts, one retry), which fails a call cleanly; this one cuts it mid-reply, so the connections go.
 CALL_TIMEOUT = 2.5
 SPEEDS_EVERY = 5.0             # seconds between two publications of one backend's speeds
+SAVE_TOLD_AFTER = 0.02         # seconds a save lasts before the other replicas are told of it
 SESSIONS_SHARED = 10_000       # session documents kept in Redis: past a tenth more, the oldest go
 
 # Claim: the lease (as leases._ACQUIRE does), the last token granted on this slot before, and the slot's state in the
@@ -123,6 +124,7 @@ class _Held:
     stop: asyncio.Event
     renewals: asyncio.TimerHandle | None = None  # starts the keeper a third of the ttl on (most requests end sooner)
     keeper: asyncio.Task[None] | None = None
+    save_told: asyncio.TimerHandle | None = None   # tells the other replicas the save phase, if it lasts
 
 
 @dataclass
@@ -159,13 +161,14 @@ class Fleet:
         # a reconnection is tried every second at most: a replica that still decides alone while the others lease
         # again is the one gap in the slots' exclusion (docs/scale-out.md, Failures)
         self.map = SharedMap(self.client, NAMESPACES, replica, self.on_change, on_reconnect=self.republish,
-                             prefix=prefix, own_applied=("slots",), gather=0.005, backoff=(0.1, 1.0))
+                             prefix=prefix, own_applied=("slots",), gather=0.02, backoff=(0.1, 1.0))
         self._claim = self.client.register_script(_CLAIM)
         self._release = self.client.register_script(_RELEASE)
         self._held: dict[Slot, _Held] = {}
         self._releasing: dict[str, asyncio.Event] = {}   # slot name -> set once its release is done
         self._fences: dict[str, int] = {}        # slot name -> the highest token whose state this replica applied
         self._unpublished: set[tuple[str, str]] = set()   # (ns, key) whose write failed while Redis was down
+        self._index_out: dict[str, bytes | None] = {}   # index changes not written yet (`entry_changed`)
         self._unleased: set[Slot] = set()        # slots used without a lease (Redis down), to reconcile when back
         self._pruning = False
         self._speeds_at: dict[str, float] = {}
@@ -325,8 +328,9 @@ class Fleet:
                 self._reconcile(slot)
             return
         held.stop.set()
-        if held.renewals is not None:
-            held.renewals.cancel()
+        for timer in (held.renewals, held.save_told):
+            if timer is not None:
+                timer.cancel()
         payload = orjson.dumps({"token": held.lease.token, "replica": self.replica,
                                 "content": content_doc(slot.content)})
         done = self._releasing[slot.name] = asyncio.Event()
@@ -390,9 +394,14 @@ class Fleet:
 
     def saving(self, slot: Slot) -> None:
         """The request in the slot is over and its cache is being saved: the other replicas' requests for what it
-        holds may wait for it (`slots.wait_plan`: a slot being saved is worth waiting for)."""
+        holds may wait for it (`slots.wait_plan`: a slot being saved is worth waiting for). Told once the save
+        lasts SAVE_TOLD_AFTER: the release of a quicker one says all there is to say, one round trip fewer."""
         held = self._held.get(slot)
-        if held is None:
+        if held is not None and held.save_told is None:
+            held.save_told = asyncio.get_running_loop().call_later(SAVE_TOLD_AFTER, self._tell_saving, slot, held)
+
+    def _tell_saving(self, slot: Slot, held: _Held) -> None:
+        if self._held.get(slot) is not held:
             return
         payload = orjson.dumps({"token": held.lease.token, "replica": self.replica, "busy": True, "phase": "save",
                                 "pending": content_doc(slot.pending)})   # its answer is over
@@ -488,8 +497,25 @@ class Fleet:
     # ---- the index, sessions, speeds ----
 
     def entry_changed(self, key: str, document: bytes | None) -> None:
-        """The index added (its meta document) or removed an entry: tell the other replicas."""
-        self.spawn(self._write("index", key, document))
+        """The index added (its meta document) or removed an entry: tell the other replicas. The changes made
+        before the loop turns (a new entry and the ones the limits removed for it) go in one write."""
+        if not self._index_out:
+            self.spawn(self._flush_index())
+        self._index_out[key] = document
+
+    async def _flush_index(self) -> None:
+        batch, self._index_out = self._index_out, {}
+        try:
+            await self.map.update("index", puts={k: v for k, v in batch.items() if v is not None},
+                                  deletes=[k for k, v in batch.items() if v is None])
+            self._unpublished -= {("index", key) for key in batch}
+        except Exception as e:   # never an unretrieved task error: written again when Redis is next back
+            if not isinstance(e, SharedStoreDown):
+                log.exception("shared_write_failed ns=index keys=%d", len(batch))
+            self.stats.redis_errors += 1
+            self._unpublished |= {("index", key) for key in batch}
+        finally:
+            self.stats.redis_calls += 1
 
     def session_saved(self, info: SessionInfo) -> None:
         doc = {"session": info.session, "route": info.route, "file": info.file, "owner": info.owner,
@@ -558,7 +584,8 @@ class Fleet:
             for key, document in await asyncio.to_thread(self.index.documents):
                 await self.map.put("index", key, document)
             for slot in self.pool.slots:
-                if slot.content is not None and not slot.busy and slot.elsewhere is None:
+                if slot.content is not None and not slot.busy and slot.elsewhere is None \
+                        and slot.name not in self._releasing:   # given back, or reconciled, as it writes
                     payload = orjson.dumps({"token": self._fences.get(slot.name, 0), "replica": self.replica,
                                             "content": content_doc(slot.content)})
                     await self.map.put("slots", slot.name, payload)

@@ -584,3 +584,38 @@ def test_bad_input_cut_bodies_and_clients_that_leave_never_leave_a_slot_leased(
         next(r.iter_bytes())
     sent[0] += 1
     nothing_held(a)
+
+
+async def test_index_changes_made_together_are_one_write_and_a_long_save_is_told(
+        redis_server: RedisServer, tmp_path: Any) -> None:
+    """A new index entry and the ones the limits removed for it go to Redis in one call; the save phase of a slot
+    is told to the other replicas only once the save lasts (the release of a quick one says it all)."""
+    a, b = await _fleets(redis_server, tmp_path, 2)
+    try:
+        await a.map.put("index", "old-entry", b'{"key": "old-entry"}')
+        assert await _wait_for(lambda: b.map.get("index", "old-entry") is not None)
+        calls = a.stats.redis_calls
+        a.entry_changed("new-entry", b'{"key": "new-entry"}')
+        a.entry_changed("old-entry", None)
+        assert await _wait_for(lambda: not a._index_out and b.map.get("index", "new-entry") is not None
+                               and b.map.get("index", "old-entry") is None)
+        assert a.stats.redis_calls == calls + 1, "one round trip for both changes"
+
+        slot = a.pool.slots[0]
+        slot.busy = True
+        assert await a.claim(slot)
+        a.saving(slot)            # a quick save: released before SAVE_TOLD_AFTER
+        timer = a._held[slot].save_told
+        a.pool.release(slot, True)
+        assert timer is not None and timer.cancelled()
+        slot.busy = True
+        assert await a.claim(slot)
+        a.saving(slot)            # a long one: told
+        assert await _wait_for(lambda: _state(redis_server, slot.name).get("phase") == "save")
+        other = b.pool.slots[0]
+        assert await _wait_for(lambda: other.phase == "save" and other.elsewhere == "r0")
+        a.pool.release(slot, True)
+        assert await _wait_for(lambda: other.elsewhere is None and not other.phase)
+    finally:
+        await a.stop()
+        await b.stop()
