@@ -50,6 +50,9 @@ GRANTED = PREFIX + "granted"   # hash: slot name -> the last token granted on it
 # 0.5 s socket timeouts, one retry), which fails a call cleanly; this one cuts it mid-reply, so the connections go.
 CALL_TIMEOUT = 2.5
 SPEEDS_EVERY = 5.0             # seconds between two publications of one backend's speeds
+# Seconds a slot this replica gives back keeps its lease, in case this replica's next request wants it (an agent's
+# next turn, sent the moment the answer ends): that request then takes it over, no round trip on its way.
+HANDOVER = 0.005
 SAVE_TOLD_AFTER = 0.02         # seconds a save lasts before the other replicas are told of it
 SESSIONS_SHARED = 10_000       # session documents kept in Redis: past a tenth more, the oldest go
 
@@ -125,6 +128,9 @@ class _Held:
     renewals: asyncio.TimerHandle | None = None  # starts the keeper a third of the ttl on (most requests end sooner)
     keeper: asyncio.Task[None] | None = None
     save_told: asyncio.TimerHandle | None = None   # tells the other replicas the save phase, if it lasts
+    pending: bytes = b"null"                       # what the slot's state says its request will leave there
+    handover: asyncio.TimerHandle | None = None    # given back: the lease goes when this fires (`HANDOVER`)
+    content: bytes = b""                           # given back: the state its release writes
 
 
 @dataclass
@@ -135,6 +141,7 @@ class FleetStats:
     redis_errors: int = 0         # calls that failed: Redis down or too slow
     local_claims: int = 0         # slots taken without a lease because Redis was down
     claims_refused: int = 0       # slots another replica held when this one chose them
+    handovers: int = 0            # slots taken over from this replica's previous request, no round trip
     claim_seconds: float = 0.0    # time spent in claims (added latency)
 
 
@@ -165,6 +172,8 @@ class Fleet:
         self._claim = self.client.register_script(_CLAIM)
         self._release = self.client.register_script(_RELEASE)
         self._held: dict[Slot, _Held] = {}
+        self._handing: dict[Slot, _Held] = {}   # given back, lease kept for HANDOVER seconds
+        self._stopping = False
         self._releasing: dict[str, asyncio.Event] = {}   # slot name -> set once its release is done
         self._fences: dict[str, int] = {}        # slot name -> the highest token whose state this replica applied
         self._unpublished: set[tuple[str, str]] = set()   # (ns, key) whose write failed while Redis was down
@@ -213,8 +222,11 @@ class Fleet:
                  self.map.count("index"), len(missing))
 
     async def stop(self) -> None:
+        self._stopping = True
         for slot in list(self._held):
             self.released(slot)
+        for slot, held in list(self._handing.items()):
+            self._give_up(slot, held)
         if self._releasing:
             await asyncio.wait([asyncio.ensure_future(e.wait()) for e in self._releasing.values()],
                                timeout=2 * CALL_TIMEOUT)
@@ -227,6 +239,11 @@ class Fleet:
     async def claim(self, slot: Slot, want: Want | None = None) -> bool:
         """Take the slot's lease for this replica: True when it is this replica's now (or Redis is down: a local
         decision), False when another replica's request holds it (the slot is then marked `elsewhere`)."""
+        handed = self._handing.pop(slot, None)
+        if handed is not None:
+            if self._take_over(slot, handed, want):
+                return True
+            self._give_up(slot, handed)
         releasing = self._releasing.get(slot.name)
         if releasing is not None:   # this replica's own release of it is on its way
             await releasing.wait()
@@ -262,7 +279,7 @@ class Fleet:
         self._learn_holding(slot, _text(before), _text(state))
         self._fences[slot.name] = token   # what any replica wrote of the slot before this grant is older than now
         stop = asyncio.Event()
-        held = _Held(lease, stop)
+        held = _Held(lease, stop, pending=orjson.dumps(pending))
         held.renewals = asyncio.get_running_loop().call_later(self.ttl_ms / 3000, self._start_keeper, slot.name, held)
         self._held[slot] = held
         slot.elsewhere = None
@@ -319,22 +336,58 @@ class Fleet:
             held.keeper = asyncio.create_task(self.leases.keep(held.lease, held.stop, first=0.0),
                                               name=f"lease keeper {name}")
 
+    def _take_over(self, slot: Slot, held: _Held, want: Want | None) -> bool:
+        """This replica's previous request gave the slot back a moment ago and its lease is still live: the new
+        request holds it on (same lease, still renewed). The other replicas are told what it will leave there
+        when that changed (off the request's way)."""
+        if held.handover is not None:
+            held.handover.cancel()
+        if not held.lease.valid():
+            return False
+        held.handover = None
+        self._held[slot] = held
+        slot.elsewhere = None
+        self.stats.handovers += 1
+        pending = content_doc(want.pending()) if want is not None else None
+        if pending is not None and want is not None and want.answer_tokens:
+            pending["answer_tokens"] = want.answer_tokens
+        doc = orjson.dumps(pending)
+        if doc != held.pending:
+            held.pending = doc
+            self.spawn(self._write_state(slot.name, held, b'{"token":%d,"replica":"%s","busy":true,"pending":%s}' % (
+                held.lease.token, self.replica.encode(), doc)))
+        return True
+
     def released(self, slot: Slot) -> None:
         """The pool gave the slot back: write what it holds and give the lease up, in one script, off the request's
-        way (a claim of the same slot by this replica waits for it)."""
+        way (a claim of the same slot by this replica waits for it), after HANDOVER seconds in which a request of
+        this replica may take the slot over."""
         held = self._held.pop(slot, None)
         if held is None:
             if slot in self._unleased and not self.map.down and slot.name not in self._releasing:
                 self._reconcile(slot)
             return
+        if held.save_told is not None:
+            held.save_told.cancel()
+            held.save_told = None
+        held.content = orjson.dumps({"token": held.lease.token, "replica": self.replica,
+                                     "content": content_doc(slot.content)})
+        if self._stopping or not held.lease.valid():
+            self._give_up(slot, held)
+            return
+        self._handing[slot] = held
+        held.handover = asyncio.get_running_loop().call_later(HANDOVER, self._give_up, slot, held)
+
+    def _give_up(self, slot: Slot, held: _Held) -> None:
+        if self._handing.get(slot) is held:
+            del self._handing[slot]
+        if held.handover is not None:
+            held.handover.cancel()
         held.stop.set()
-        for timer in (held.renewals, held.save_told):
-            if timer is not None:
-                timer.cancel()
-        payload = orjson.dumps({"token": held.lease.token, "replica": self.replica,
-                                "content": content_doc(slot.content)})
+        if held.renewals is not None:
+            held.renewals.cancel()
         done = self._releasing[slot.name] = asyncio.Event()
-        self.spawn(self._give_back(slot.name, held, payload, done))
+        self.spawn(self._give_back(slot.name, held, held.content, done))
 
     async def _give_back(self, name: str, held: _Held, payload: bytes, done: asyncio.Event) -> None:
         lease = held.lease

@@ -626,20 +626,17 @@ class MetaIndex:
         return found
 
     def _over_limit(self, keep: str) -> list[MetaEntry]:
-        """Delete until META_MAX and META_MAX_GIB hold, never a protected entry nor one being saved again (its
-        file is being rewritten), and `keep` (the entry just saved) only when an idle slot holds it, in this order:
+        """Delete until META_MAX and META_MAX_GIB hold, never a protected entry, one being saved again (its file
+        is being rewritten), `keep` (the entry just saved), nor the file of a cache an idle slot holds (`held`: the
+        limits count the caches no slot has, so files and slots hold the working set together: META_MAX files plus
+        one per slot in all; once the slot holds something else, its file is counted again), in this order:
 
         1. files a later save of the same conversation has moved on from (`_continued`): it holds all of theirs but
            a short end, oldest first;
-        2. files of caches an idle slot still holds (`held`): the slot serves them while it keeps them, and saves
-           them again before a restore or another prompt replaces them (`slot_fill.prepare`), so the limits then
-           hold the caches no slot has (META_MAX files plus one per slot in all);
-        3. the rest, by the replacement order (`eviction`): the one needed furthest in the future first.
+        2. the rest, by the replacement order (`eviction`): the one needed furthest in the future first.
         """
-        spare = {keep, *self._protected, *self._saving}
+        spare = {keep, *self._protected, *self._saving, *self._held_now()}
         removed = self._evict_among(list(self._moved_on), spare, "moved_on")
-        # the entry just saved too, when a slot has it
-        removed += self._evict_among(self.held(), {*self._protected, *self._saving}, "in_slot")
         if self.over():
             count, size = self._limits()
             for key in self._usage.victims(time.time(), count, size, spare):
@@ -661,13 +658,17 @@ class MetaIndex:
         count, size = self._limits()
         return (count > 0 and len(self._entries) > count) or (size > 0 and self._usage.total_bytes > size)
 
+    def _held_now(self) -> set[str]:
+        return {key for key in self.held() if key in self._entries}
+
     def _limits(self) -> tuple[int, int]:
-        """META_MAX and META_MAX_GIB (0: none), not counting the files chosen for restores that have not run yet:
-        such a restore replaces a slot's cache, which is saved first, so for a moment both files are needed; once
-        restored, the chosen file is held by its slot and the next save makes room (`moved_on`, `in_slot`)."""
-        if not self._protected:
+        """META_MAX and META_MAX_GIB (0: none), not counting the files of caches an idle slot holds, nor the files
+        chosen for restores that have not run yet: such a restore replaces a slot's cache, which is saved first, so
+        for a moment both files are needed; once restored, the chosen file is held by its slot."""
+        exempt = self._held_now() | self._protected.keys()
+        if not exempt:
             return self.meta_max, self.max_bytes
-        chosen = [u for k in self._protected if (u := self._usage.get(k)) is not None]
+        chosen = [u for k in exempt if (u := self._usage.get(k)) is not None]
         return (self.meta_max + len(chosen) if self.meta_max > 0 else 0,
                 self.max_bytes + sum(u.size for u in chosen) if self.max_bytes > 0 else 0)
 

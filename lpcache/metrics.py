@@ -78,10 +78,12 @@ class _Live(Collector):
             yield CounterMetricFamily("lpcache_redis_claim_seconds", "Time requests spent claiming slot leases "
                                       "(the latency Redis adds on a request's way)", value=stats.claim_seconds)
             claims = CounterMetricFamily("lpcache_slot_claims", "Slot claims by outcome: refused (another replica "
-                                         "held it), local (Redis down: taken on this replica's word)",
+                                         "held it), local (Redis down: taken on this replica's word), handover "
+                                         "(taken over from this replica's previous request: no round trip)",
                                          labels=["outcome"])
             claims.add_metric(["refused"], stats.claims_refused)
             claims.add_metric(["local"], stats.local_claims)
+            claims.add_metric(["handover"], stats.handovers)
             yield claims
             yield GaugeMetricFamily("lpcache_shared_entries", "Index entries in the shared map's local mirror",
                                     value=fleet.map.count("index"))

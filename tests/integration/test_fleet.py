@@ -619,3 +619,45 @@ async def test_index_changes_made_together_are_one_write_and_a_long_save_is_told
     finally:
         await a.stop()
         await b.stop()
+
+
+async def test_a_slot_given_back_is_taken_over_by_the_replicas_next_request_without_a_round_trip(
+        redis_server: RedisServer, tmp_path: Any) -> None:
+    """An agent's next turn comes the moment the answer ends: its request takes the slot over from the one that
+    just gave it back (same lease, no Redis call on its way); the others see the slot busy until the lease goes
+    HANDOVER seconds after the last request gave it back, with what that one left in it."""
+    import redis as redis_sync
+
+    from lpcache.leases import PREFIX
+    from lpcache.slots import Content
+
+    a, b = await _fleets(redis_server, tmp_path, 2)
+    client = redis_sync.Redis.from_url(redis_server.url)
+    try:
+        slot, theirs = a.pool.slots[0], b.pool.slots[0]
+        slot.busy = True
+        assert await a.claim(slot)
+        token = a._held[slot].lease.token
+        slot.content = Content("e" * 64, (1, 2), saved=True, model="m", tokens=20)
+        a.pool.release(slot, True)
+        calls = a.stats.redis_calls
+        slot.busy = True
+        assert await a.claim(slot) and a.stats.handovers == 1
+        assert a.stats.redis_calls == calls, "no round trip on the request's way"
+        assert a._held[slot].lease.token == token and client.get(PREFIX + slot.name).decode().startswith(str(token))
+        theirs.busy = True
+        assert not await b.claim(theirs), "still this replica's"
+        theirs.busy = False
+        slot.content = Content("f" * 64, (1, 2, 3), saved=True, model="m", tokens=30)
+        a.pool.release(slot, True)
+        assert await _wait_for(lambda: not client.exists(PREFIX + slot.name) and slot.name not in a._releasing)
+        state = _state(redis_server, slot.name)
+        assert state["token"] == token and state["content"]["key"] == "f" * 64 and not state.get("busy"), state
+        assert await _wait_for(lambda: theirs.elsewhere is None and theirs.content is not None
+                               and theirs.content.key == "f" * 64)
+        theirs.busy = True
+        assert await b.claim(theirs) and theirs.content is not None and theirs.content.key == "f" * 64
+        b.pool.release(theirs, True)
+    finally:
+        await a.stop()
+        await b.stop()
