@@ -319,8 +319,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("META_DIR", "--meta-dir", _text, "./kv_meta", "Folder of the <key>.meta.json files.", metavar="DIR"),
     Option("META_MAX", "--meta-max", _int(0), "10",
            "Most meta files kept, with their KV files; 0 = no limit. First deleted: files a later turn moved on from, "
-           "then those needed furthest in the future. Neither deleted nor counted: the file of a cache an idle slot "
-           "holds (counted again once the slot holds something else), and a file chosen for a restore not run yet.",
+           "then those an idle slot holds (saved again before it is replaced), then those needed furthest in the "
+           "future. A file chosen for a restore not run yet is neither deleted nor counted.",
            metavar="N"),
     Option("META_MAX_GIB", "--meta-max-gib", _gib_or_auto, "auto",
            "Most GiB of prefix-mode cache files kept (besides META_MAX), the ones least likely to be used again "

@@ -279,6 +279,8 @@ class MetaIndex:
         # cache holds all of but a short end): they go early when the limits bite, since a slot's cache is saved
         # again before anything replaces it (see `_over_limit`).
         self.held: Callable[[], Collection[str]] = tuple
+        # With REDIS_URL (`fleet.Fleet.files_in_use`): the files other replicas' requests restore or save now.
+        self.in_use_elsewhere: Callable[[], Collection[str]] = tuple
         # The usage of entries the limits deleted, by the digest their chain ended at: a conversation that comes
         # back with a new save takes its rhythm over (a deleted file would otherwise make it look brand new, and
         # the first to go again). Bounded: the oldest are forgotten.
@@ -614,6 +616,7 @@ class MetaIndex:
             return []
         ends = self._ends.get(new.fingerprint or "", {})
         found = []
+        in_use = self._in_use()
         for digest in new.exact:
             holders = ends.get(digest)
             if holders is None:
@@ -621,22 +624,31 @@ class MetaIndex:
             for key in ((holders,) if isinstance(holders, str) else tuple(holders)):
                 e = self._entries[key]
                 if (e.key != new.key and e.slot_save_path == new.slot_save_path and e.backend == new.backend
-                        and key not in self._protected):
+                        and key not in in_use):
                     found.append(e)
         return found
 
+    def _in_use(self) -> set[str]:
+        """Entries whose files a request is using: chosen for a restore not run yet, being saved again (the file is
+        being rewritten), or either of these by another replica's request (`in_use_elsewhere`). Never deleted."""
+        return {*self._protected, *self._saving, *self.in_use_elsewhere()}
+
     def _over_limit(self, keep: str) -> list[MetaEntry]:
-        """Delete until META_MAX and META_MAX_GIB hold, never a protected entry, one being saved again (its file
-        is being rewritten), `keep` (the entry just saved), nor the file of a cache an idle slot holds (`held`: the
-        limits count the caches no slot has, so files and slots hold the working set together: META_MAX files plus
-        one per slot in all; once the slot holds something else, its file is counted again), in this order:
+        """Delete until META_MAX and META_MAX_GIB hold, never an entry in use (`_in_use`), and `keep` (the entry
+        just saved) only when an idle slot holds it, in this order:
 
         1. files a later save of the same conversation has moved on from (`_continued`): it holds all of theirs but
            a short end, oldest first;
-        2. the rest, by the replacement order (`eviction`): the one needed furthest in the future first.
+        2. files of caches an idle slot still holds (`held`): the slot serves them while it keeps them, and saves
+           them again before a restore or another prompt replaces them (`slot_fill.prepare`), so the limits then
+           hold the caches no slot has (META_MAX files plus one per slot in all);
+        3. the rest, by the replacement order (`eviction`): the one needed furthest in the future first.
         """
-        spare = {keep, *self._protected, *self._saving, *self._held_now()}
+        in_use = self._in_use()
+        spare = {keep, *in_use}
         removed = self._evict_among(list(self._moved_on), spare, "moved_on")
+        # the entry just saved too, when a slot has it
+        removed += self._evict_among(self.held(), in_use, "in_slot")
         if self.over():
             count, size = self._limits()
             for key in self._usage.victims(time.time(), count, size, spare):
@@ -658,17 +670,13 @@ class MetaIndex:
         count, size = self._limits()
         return (count > 0 and len(self._entries) > count) or (size > 0 and self._usage.total_bytes > size)
 
-    def _held_now(self) -> set[str]:
-        return {key for key in self.held() if key in self._entries}
-
     def _limits(self) -> tuple[int, int]:
-        """META_MAX and META_MAX_GIB (0: none), not counting the files of caches an idle slot holds, nor the files
-        chosen for restores that have not run yet: such a restore replaces a slot's cache, which is saved first, so
-        for a moment both files are needed; once restored, the chosen file is held by its slot."""
-        exempt = self._held_now() | self._protected.keys()
-        if not exempt:
+        """META_MAX and META_MAX_GIB (0: none), not counting the files chosen for restores that have not run yet:
+        such a restore replaces a slot's cache, which is saved first, so for a moment both files are needed; once
+        restored, the chosen file is held by its slot and the next save makes room (`moved_on`, `in_slot`)."""
+        if not self._protected:
             return self.meta_max, self.max_bytes
-        chosen = [u for k in exempt if (u := self._usage.get(k)) is not None]
+        chosen = [u for k in self._protected if (u := self._usage.get(k)) is not None]
         return (self.meta_max + len(chosen) if self.meta_max > 0 else 0,
                 self.max_bytes + sum(u.size for u in chosen) if self.max_bytes > 0 else 0)
 

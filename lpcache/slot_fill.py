@@ -115,11 +115,20 @@ class SlotFiller:
         index.held = self.held_keys
 
     def held_keys(self) -> list[str]:
-        """The saved prefix caches an idle slot holds: the index's limits do not count their files (the slot
-        serves them while it keeps them; once it holds something else, the file is counted again)."""
-        return [content.key for s in self.pool.slots
-                if not s.busy and (content := s.content) is not None and content.saved and resavable(content)
-                and self.enabled(self.backends[s.backend], content.model)]
+        """The prefix caches whose files can go first when the index's limits bite, because an idle slot holds
+        them, or a cache that continues them, and saves it before anything replaces it (`prepare`): its own
+        file, and the files it holds all of but a short end (with SAVE_POLICY=evict, its conversation's earlier
+        turn, restored into it)."""
+        keys: list[str] = []
+        for s in self.pool.slots:
+            content = s.content
+            if s.busy or content is None or not resavable(content) or not self.enabled(self.backends[s.backend],
+                                                                                       content.model):
+                continue
+            if content.saved:
+                keys.append(content.key)
+            keys += self.index.covered(content.fingerprint, content.chain)
+        return keys
 
     # ---- what may be cached where ----
 

@@ -679,20 +679,18 @@ async def test_a_file_that_differs_early_has_not_moved_on(make_index) -> None:
     assert idx._moved_on == {}
 
 
-async def test_files_an_idle_slot_holds_are_neither_counted_nor_deleted(make_index) -> None:
-    """META_MAX counts the caches no slot has: a held file stays (no save again when its slot is replaced), and
-    once its slot holds something else it is counted, and may go, again."""
+async def test_files_an_idle_slot_holds_go_before_the_others(make_index) -> None:
     idx = make_index(wpb=2, meta_max=2)
-    a, b, c, d = (prompt(text(10, tag=t)) for t in ("a", "b", "c", "d"))
+    a, b, c = (prompt(text(10, tag=t)) for t in ("a", "b", "c"))
     await idx.add(a, URL, None)
     await idx.add(b, URL, None)
-    idx.held = lambda: [b.key, "not-an-entry"]
-    assert await idx.add(c, URL, None) == [] and {a.key, b.key, c.key} <= set(idx._entries), "3 files, b held"
-    removed = await idx.add(d, URL, None)     # a or c goes (the replacement order), never b, never d
-    assert len(removed) == 1 and removed[0].key in (a.key, c.key) and b.key in idx and d.key in idx
-    idx.held = lambda: []                     # b's slot holds something else now: b counts again
-    await idx.enforce()
-    assert len(idx) == 2, "counted again, one went by the replacement order"
+    idx.held = lambda: [b.key]
+    removed = await idx.add(c, URL, None)
+    assert [e.key for e in removed] == [b.key] and a.key in idx and c.key in idx
+    d = prompt(text(10, tag="d"))
+    idx.held = lambda: [d.key]            # the entry just saved goes too when its slot holds it
+    removed = await idx.add(d, URL, None)
+    assert [e.key for e in removed] == [d.key] and a.key in idx and c.key in idx
 
 
 # ---- keys confined to their folder, start-up on a hostile META_DIR, reconciliation of the folders ----
