@@ -105,6 +105,17 @@ def content_doc(content: Content | None) -> dict[str, Any] | None:
             "fingerprint": content.fingerprint}
 
 
+def _pending_doc(want: Want | None, restore: str | None) -> dict[str, Any] | None:
+    """What a claim tells the other replicas of the request that will hold the slot: what it will leave there, its
+    max_tokens (for their wait plans) and the file it restores first."""
+    pending = content_doc(want.pending()) if want is not None else None
+    if pending is not None and want is not None and want.answer_tokens:
+        pending["answer_tokens"] = want.answer_tokens
+    if pending is not None and restore is not None:
+        pending["restore"] = restore
+    return pending
+
+
 def content_of(doc: Any) -> Content | None:
     """A slot's content as another replica described it (its prompt is not shared: an unsaved prefix cache of
     another replica is not saved again here, only ever replaced)."""
@@ -185,6 +196,7 @@ class Fleet:
         self._warned = False
         self.stats = FleetStats()
         index.publish = self.entry_changed
+        index.in_use_elsewhere = self.files_in_use
         sessions.on_saved = self.session_saved
         speeds.on_learnt = self.speeds_learnt
         pool.claims = self
@@ -236,12 +248,14 @@ class Fleet:
 
     # ---- slots ----
 
-    async def claim(self, slot: Slot, want: Want | None = None) -> bool:
+    async def claim(self, slot: Slot, want: Want | None = None, restore: str | None = None) -> bool:
         """Take the slot's lease for this replica: True when it is this replica's now (or Redis is down: a local
-        decision), False when another replica's request holds it (the slot is then marked `elsewhere`)."""
+        decision), False when another replica's request holds it (the slot is then marked `elsewhere`). The other
+        replicas are told what the request will leave in the slot and the file it restores first (`restore`):
+        neither file is deleted by their limits meanwhile (`files_in_use`)."""
         handed = self._handing.pop(slot, None)
         if handed is not None:
-            if self._take_over(slot, handed, want):
+            if self._take_over(slot, handed, want, restore):
                 return True
             self._give_up(slot, handed)
         releasing = self._releasing.get(slot.name)
@@ -253,9 +267,7 @@ class Fleet:
         started = time.perf_counter()
         sent = time.monotonic()
         holder = Holder(self.replica, f"{next(self._requests):x}")
-        pending = content_doc(want.pending()) if want is not None else None
-        if pending is not None and want is not None and want.answer_tokens:
-            pending["answer_tokens"] = want.answer_tokens
+        pending = _pending_doc(want, restore)
         call = asyncio.ensure_future(self._claim_call(slot, holder, pending))
         try:
             answer = await asyncio.shield(call)
@@ -336,7 +348,7 @@ class Fleet:
             held.keeper = asyncio.create_task(self.leases.keep(held.lease, held.stop, first=0.0),
                                               name=f"lease keeper {name}")
 
-    def _take_over(self, slot: Slot, held: _Held, want: Want | None) -> bool:
+    def _take_over(self, slot: Slot, held: _Held, want: Want | None, restore: str | None) -> bool:
         """This replica's previous request gave the slot back a moment ago and its lease is still live: the new
         request holds it on (same lease, still renewed). The other replicas are told what it will leave there
         when that changed (off the request's way)."""
@@ -348,10 +360,7 @@ class Fleet:
         self._held[slot] = held
         slot.elsewhere = None
         self.stats.handovers += 1
-        pending = content_doc(want.pending()) if want is not None else None
-        if pending is not None and want is not None and want.answer_tokens:
-            pending["answer_tokens"] = want.answer_tokens
-        doc = orjson.dumps(pending)
+        doc = orjson.dumps(_pending_doc(want, restore))
         if doc != held.pending:
             held.pending = doc
             self.spawn(self._write_state(slot.name, held, b'{"token":%d,"replica":"%s","busy":true,"pending":%s}' % (
@@ -510,11 +519,21 @@ class Fleet:
                 slot.phase = str(doc.get("phase") or "")
                 answer = pending.get("answer_tokens") if isinstance(pending, dict) else None
                 slot.answer_tokens = answer if isinstance(answer, int) and answer > 0 else None
+                restore = pending.get("restore") if isinstance(pending, dict) else None
+                slot.restoring = restore if isinstance(restore, str) else None   # none named once it saves
             return
         slot.content, slot.pending, slot.phase, slot.answer_tokens = content_of(doc.get("content")), None, "", None
+        slot.restoring = None
         if slot.elsewhere is not None:
             slot.elsewhere = None   # given back by its holder
             self.pool.wake()
+
+    def files_in_use(self) -> set[str]:
+        """The saved caches other replicas' requests are using, as far as this replica knows: the file each one
+        restores into its slot and the one its save will write. This replica's limits never delete them (the index
+        asks, `MetaIndex.in_use_elsewhere`), as they never delete its own requests' (`protect`, `saving`)."""
+        return {key for s in self.pool.slots if s.taken and not s.busy
+                for key in (s.restoring, s.pending.key if s.pending is not None else None) if key}
 
     # ---- backends whose folder lpcache cannot see ----
 
@@ -522,7 +541,7 @@ class Fleet:
         """The next name of the backend's ring of RING_FILES file names, when lpcache cannot see its slot-save
         folder (another host: lpcache cannot delete there); None when it can. The position is one counter in Redis
         shared by every replica, so the backend holds at most RING_FILES prefix-cache files whoever saved them. A
-        name a slot holds, or that a request of this replica is about to restore, is passed over. Raises
+        name a slot holds, or that a request of any replica is about to restore, is passed over. Raises
         SharedStoreDown when no name can be given: Redis is down (a counter of this replica's own would overwrite
         the files the others name), or every name is in use; nothing is saved there then."""
         folder = backend.config.slot_save_path
@@ -532,7 +551,8 @@ class Fleet:
         if self.map.down:
             raise SharedStoreDown("Redis is unreachable: the next name of the backend's ring of files is not known")
         in_use = {key for s in self.pool.slots if s.backend == backend.index
-                  for key in (s.content.key if s.content else None, s.pending.key if s.pending else None) if key}
+                  for key in (s.content.key if s.content else None, s.pending.key if s.pending else None,
+                              s.restoring) if key}
         for _ in range(self.ring_files):
             try:
                 async with self._bounded():

@@ -65,6 +65,7 @@ class Slot:
     replans: list[Callable[[], None]] = field(default_factory=list)   # the waits planned on it, to decide again
     elsewhere: str | None = None     # with REDIS_URL: the replica whose request holds it (`fleet`) ...
     elsewhere_until: float = 0.0     # ... until then at most (monotonic; its lease's expiry as last seen)
+    restoring: str | None = None     # ... and the saved cache that request restores into it first, if any
 
     @property
     def taken(self) -> bool:
@@ -337,7 +338,7 @@ class Claims(Protocol):
     """Slot leases across replicas (`fleet.Fleet`, with REDIS_URL): a slot the pool hands out locally is claimed
     before use; another replica's live lease on it makes the pool choose again."""
 
-    async def claim(self, slot: Slot, want: Want | None = None) -> bool: ...
+    async def claim(self, slot: Slot, want: Want | None = None, restore: str | None = None) -> bool: ...
 
     def released(self, slot: Slot) -> None: ...
 
@@ -398,7 +399,8 @@ class SlotPool:
             choice = await self._acquire(want, max(deadline - time.monotonic(), 0.0), plan)
             believed = choice.slot.content
             try:
-                ours = await self.claims.claim(choice.slot, want)
+                ours = await self.claims.claim(choice.slot, want,
+                                               choice.restore.entry.key if choice.restore is not None else None)
             except BaseException:
                 want.given_back(choice)
                 self._unclaimed(choice.slot)

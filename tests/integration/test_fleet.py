@@ -661,3 +661,49 @@ async def test_a_slot_given_back_is_taken_over_by_the_replicas_next_request_with
     finally:
         await a.stop()
         await b.stop()
+
+
+async def test_the_files_another_replicas_request_restores_or_saves_are_never_deleted_by_the_limits(
+        redis_server: RedisServer, tmp_path: Any) -> None:
+    """Replica A's request restores a saved cache into a slot and will save its own prompt from it; replica B's
+    limits bite meanwhile (a save of its own past META_MAX): B deletes neither file (it would unlink the file A's
+    server is reading, or the one it is writing). Once A gives the slot back, they count as any other."""
+    from dataclasses import replace
+
+    from lpcache.prefix import Prompt
+    from lpcache.slots import Want
+
+    folder = tmp_path / "slots"
+    folder.mkdir()
+
+    def prompt(tag: str) -> Prompt:
+        words = " ".join(f"{tag}{i}, «Ünïcode» `code_{i}()`" for i in range(60))
+        p = Prompt.of("m", [{"role": "system", "content": "Be brief."}, {"role": "user", "content": words}], 10)
+        return replace(p, exact=p.chain)
+
+    a, b = await _fleets(redis_server, tmp_path, 2, folder=str(folder))
+    try:
+        restored, saved, other = prompt("restored"), prompt("saved"), prompt("other")
+        for p in (restored, saved):
+            (folder / p.key).write_bytes(b"kv")
+        await a.index.add(restored, restored.key, "http://b:8080", str(folder), "fp")
+        assert await _wait_for(lambda: restored.key in b.index)
+        await b.index.add(saved, saved.key, "http://b:8080", str(folder), "fp")   # an older save of A's prompt
+        slot_a, slot_b = a.pool.slots[0], b.pool.slots[0]
+        slot_a.busy = True
+        assert await a.claim(slot_a, Want(saved), restore=restored.key)
+        assert await _wait_for(lambda: slot_b.elsewhere == "r0" and slot_b.restoring == restored.key)
+        assert b.files_in_use() == {restored.key, saved.key}
+        b.index.meta_max = 1
+        (folder / other.key).write_bytes(b"kv")
+        removed = await b.index.add(other, other.key, "http://b:8080", str(folder), "fp")
+        assert removed == [] and restored.key in b.index and saved.key in b.index, "both in use on A"
+        assert (folder / restored.key).exists() and (folder / saved.key).exists()
+        a.pool.release(slot_a, True)
+        assert await _wait_for(lambda: slot_b.elsewhere is None and slot_b.restoring is None)
+        assert b.files_in_use() == set()
+        await b.index.enforce()
+        assert len(b.index) == 1, "counted again once the slot is given back"
+    finally:
+        await a.stop()
+        await b.stop()
