@@ -336,6 +336,8 @@ def create_app(settings: Settings, plugins: Loaded | None = None) -> Starlette:
         index = MetaIndex(settings.meta_dir, settings.words_per_block, settings.meta_max, settings.slot_save_paths,
                           meta_max_bytes(settings))
         try:
+            for note in settings.notes:
+                log.warning("%s", note)
             backends = await start_backends(settings, session)
             loaded = await asyncio.to_thread(index.load)
             pool = SlotPool([s for b in backends for s in b.slots()], settings.slot_wait_timeout)

@@ -158,15 +158,17 @@ class Backend:
         if self.config.router is False and self.slots_known:
             try:
                 props = await self.client.props()
-            except BackendError:
+            except BackendError as e:
+                if e.status in (401, 403):
+                    raise   # /health needs no key: it would hide a key lpcache lacks
                 await self.client.get_json("/health")   # a server without /props: no identity, nothing cached
                 return
             await self.learn_identity(props)
             return
         try:
             props = await self.client.props()
-        except BackendError:
-            if self.config.router or not self.slots_known:
+        except BackendError as e:
+            if self.config.router or not self.slots_known or e.status in (401, 403):
                 raise
             await self.client.get_json("/health")   # a server without /props, its slot count given
             return
@@ -275,6 +277,22 @@ def router_model_fingerprint(model: dict[str, Any]) -> str:
                     "file": _file_identity(path)})
 
 
+def start_problem(e: ProxyError) -> str:
+    """What a backend's failure to answer GET /props at start most likely means, for its start-up line."""
+    if not isinstance(e, BackendError):
+        return "nothing answers at that address (is llama-server running, on that host and port?)"
+    who = f" ({e.server} answered)" if e.server else ""
+    if e.status in (401, 403):
+        return (f"it wants a key{who}: give lpcache llama-server's --api-key as LLAMA_API_KEY (--api-key); "
+                "LPCACHE_API_KEYS (--api-keys) are the keys clients send to lpcache")
+    if e.status == 503:
+        return f"it is not ready{who} (llama-server answers 503 while it loads its model)"
+    if e.status == 404:
+        return (f"no /props there{who}: not a llama-server, or not its root URL (LLAMA_URL is the server's root, "
+                "such as http://127.0.0.1:8080, without /v1)")
+    return f"that is not a llama-server's answer{who}"
+
+
 async def start_backends(settings: Settings, session: aiohttp.ClientSession) -> list[Backend]:
     """Build a client per backend and settle each one's slot count, asking the servers in parallel. A server that
     does not answer is marked down, not fatal."""
@@ -288,9 +306,9 @@ async def start_backends(settings: Settings, session: aiohttp.ClientSession) -> 
         try:
             await backend.discover()
         except ProxyError as e:
-            log.warning("backend_unavailable_at_start url=%s reason=%s: lpcache starts anyway and probes it%s",
-                        config.url, e.message, "" if backend.slots_known else
-                        f"; until it answers /props it counts N_SLOTS={backend.n_slots} slot(s)")
+            log.warning("backend_unavailable_at_start url=%s reason=%s: %s; lpcache starts anyway and asks it again "
+                        "until it answers%s", config.url, e.message, start_problem(e), "" if backend.slots_known else
+                        f" (till then it counts N_SLOTS={backend.n_slots} slot(s) there)")
             backend.failed("unavailable at start")
         return backend
 

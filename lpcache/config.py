@@ -8,6 +8,7 @@ checked once, here; a bad one raises `ConfigError` naming the variable, and star
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import socket
@@ -83,6 +84,8 @@ class Settings:
     plugins: tuple[dict[str, Any], ...] = ()
     # Where each value came from ("flag", "env" or "default"), for the start-up log and for N_SLOTS.
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
+    # What loading the settings changed or found doubtful, one sentence each: logged as warnings at start.
+    notes: tuple[str, ...] = field(default=(), compare=False)
 
     @property
     def slot_save_paths(self) -> tuple[str, ...]:
@@ -337,7 +340,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("HOST", "--host", _text, "0.0.0.0", "Address to listen on.", metavar="ADDR"),
     Option("PORT", "--port", _int(1, 65535), "8081", "Port to listen on.", metavar="PORT"),
     Option("LLAMA_API_KEY", "--api-key", _optional_text, None,
-           "Sent to the backends as Authorization: Bearer <KEY> (blank = no auth).", metavar="KEY"),
+           "The key lpcache sends to llama-server (the one given to its --api-key), as Authorization: Bearer <KEY>; "
+           "blank = none. Not the keys clients send to lpcache: those are LPCACHE_API_KEYS (--api-keys).",
+           metavar="KEY"),
     Option("LOG_LEVEL", "--log-level", _log_level, "INFO",
            "Log level: DEBUG, INFO, WARNING, ERROR (TRACE and WARN are accepted; RUST_LOG, when a plain level, "
            "overrides it).", metavar="LEVEL"),
@@ -382,7 +387,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("LPCACHE_API_KEYS", "--api-keys", _keys, None,
            "Client keys: a comma-separated list, or @FILE with one key per line. When set, every request but "
            "GET /health needs Authorization: Bearer <key>, or X-Api-Key: <key> without an Authorization header "
-           "(else 401).", metavar="KEYS"),
+           "(else 401). Not the key lpcache sends to llama-server: that is LLAMA_API_KEY (--api-key).",
+           metavar="KEYS"),
     Option("MAX_BODY_BYTES", "--max-body-bytes", _int(1), "16777216",
            "Largest request body accepted, in bytes (413 above it). 16 MiB: a 128k-token prompt's text weighs about "
            "0.4 MB as JSON; the rest leaves room for about 20 images of 600 KB sent as data URLs.", metavar="BYTES"),
@@ -441,24 +447,60 @@ OPTIONS: tuple[Option, ...] = (
            "Legacy: seconds a cached result stays fresh; 0 = forever.", metavar="SECONDS"),
 )
 
-def build_parser() -> argparse.ArgumentParser:
-    """The CLI: one flag per option, help written next to the option above."""
-    from . import __version__
+# `lpcache -h`'s examples (tests/unit/test_config.py loads each of them).
+EXAMPLES = (
+    ("one llama-server on this host, its slot files in ~/llama-slots",
+     "lpcache --llama-url http://127.0.0.1:8080 --slot-save-path ~/llama-slots"),
+    ("two servers, each with its own slot-save folder as lpcache sees it",
+     """BACKENDS='[{"url": "http://gpu1:8080", "slot_save_path": "/mnt/slots1"}, """
+     """{"url": "http://gpu2:8080", "slot_save_path": "/mnt/slots2"}]' lpcache"""),
+    ("clients must send one of two keys; llama-server was started with --api-key server-key",
+     "lpcache --api-keys alice-key,bob-key --api-key server-key --llama-url http://127.0.0.1:8080"),
+    ("the dashboard at /dashboard, and a request log",
+     """lpcache --plugins '[{"name": "dashboard"}]' --request-log --llama-url http://127.0.0.1:8080"""),
+)
 
+
+def _plain_intro(text: str) -> str:
+    """A group's intro from docs/configuration.md, for a terminal: links become the doc's path, no backticks."""
+    return re.sub(r"\[([^\]]+)\]\(([^)]+)\)", r"docs/\2", text).replace("`", "")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI: one flag per option, help written next to the option above, in docs/configuration.md's groups."""
+    from . import __version__
+    from .config_doc import grouped
+
+    epilog = "examples:\n" + "\n".join(f"  {what}:\n    {line}" for what, line in EXAMPLES) + (
+        "\n\nEvery setting, its meaning and default: docs/configuration.md (python -m lpcache.config_doc).")
     parser = argparse.ArgumentParser(
         prog="lpcache",
+        usage="lpcache [-h] [-V] [--flag VALUE ...]",
         description="A KV-cache-aware, OpenAI-compatible proxy in front of llama.cpp llama-server instances. "
                     "Every flag has an environment variable of the name shown; flags win over the environment, "
                     "the environment over the defaults.",
+        epilog=epilog,
+        formatter_class=_HelpFormatter,
     )
     parser.add_argument("-V", "--version", action="version", version=f"lpcache {__version__}")
-    for o in OPTIONS:
-        default = "unset" if o.default is None else o.default
-        # A true/false option also works as a bare flag (--request-log), as in the Rust lpcache.
-        bare: dict[str, Any] = {"nargs": "?", "const": "true"} if o.parse is _bool else {}
-        parser.add_argument(o.flag, dest=o.env, metavar=o.metavar, default=argparse.SUPPRESS,
-                            help=f"{o.help} [env {o.env}, default {default}]", **bare)
+    for title, intro, options in grouped(OPTIONS):
+        group = parser.add_argument_group(title, _plain_intro(intro))
+        for o in options:
+            default = "unset" if o.default is None else o.default
+            # A true/false option also works as a bare flag (--request-log), as in the Rust lpcache.
+            bare: dict[str, Any] = {"nargs": "?", "const": "true"} if o.parse is _bool else {}
+            group.add_argument(o.flag, dest=o.env, metavar=o.metavar, default=argparse.SUPPRESS,
+                               help=f"{o.help} [env {o.env}, default {default}]", **bare)
     return parser
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Wrapped help, but the epilog's example lines as written (a command is not reflowed)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if text.startswith("examples:"):
+            return text
+        return super()._fill_text(text, width, indent)
 
 
 def load_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
@@ -492,6 +534,9 @@ def load_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] 
     if backends is None:
         explicit_slots = values["N_SLOTS"] if sources["N_SLOTS"] != "default" else None
         backends = (BackendConfig(values["LLAMA_URL"], explicit_slots, values["SLOT_SAVE_PATH"], True),)
+    notes: list[str] = []
+    backends = tuple(_api_root(b, notes, "BACKENDS" if values["BACKENDS"] is not None else "LLAMA_URL")
+                     for b in backends)
     if values["BREAKER_MAX_COOLDOWN_MS"] < values["BREAKER_COOLDOWN_MS"]:
         raise ConfigError("BREAKER_MAX_COOLDOWN_MS", "must be at least BREAKER_COOLDOWN_MS")
     if not values["MODEL_ID"].strip():
@@ -536,7 +581,19 @@ def load_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] 
         ring_files=values["RING_FILES"],
         plugins=plugin_specs(values),
         sources=sources,
+        notes=tuple(notes),
     )
+
+
+def _api_root(backend: BackendConfig, notes: list[str], name: str) -> BackendConfig:
+    """A backend URL given as an OpenAI base URL (ending in /v1, as clients are told to write it) is cut to the
+    server's root: lpcache adds /v1/chat/completions, /props and /slots itself, and every request would 404."""
+    if not backend.url.endswith("/v1"):
+        return backend
+    root = backend.url.removesuffix("/v1")
+    notes.append(f"config_url_fixed {name}={backend.url} is used as {root}: lpcache needs llama-server's root URL "
+                 f"(it adds /v1/... and /props itself)")
+    return dataclasses.replace(backend, url=root)
 
 
 def plugin_specs(values: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
@@ -565,21 +622,20 @@ def plugin_specs(values: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
 
 
 def describe(settings: Settings) -> str:
-    """One line for the start-up log: every value, with the API key hidden."""
+    """The settings for the start-up line, each once, keys hidden: not the backends and plugins (the line names
+    them with their slot counts), nor N_SLOTS when it was not set (the servers' own counts are used)."""
+    skipped = {"BACKENDS", "LLAMA_URL", "PLUGINS"}
+    if settings.sources.get("N_SLOTS", "default") == "default":
+        skipped.add("N_SLOTS")
     shown = []
     for o in OPTIONS:
-        if o.env == "BACKENDS":
-            value: Any = [b.url for b in settings.backends]
-        elif o.env == "LLAMA_URL":
+        value: Any
+        if o.env in skipped or o.env.startswith(("REQUEST_LOG", "PREFILTER_")):
             continue
-        elif o.env == "SLOT_SAVE_PATH":
+        if o.env == "SLOT_SAVE_PATH":
             value = list(settings.slot_save_paths) or None
         elif o.env == "LLAMA_API_KEY":
             value = "set" if settings.llama_api_key else "unset"
-        elif o.env == "PLUGINS":
-            value = [spec["name"] for spec in settings.plugins]
-        elif o.env.startswith(("REQUEST_LOG", "PREFILTER_")):
-            continue
         elif o.env == "META_MAX_GIB":
             value = "auto" if settings.meta_max_gib is None else settings.meta_max_gib
         elif o.env == "LPCACHE_API_KEYS":

@@ -92,10 +92,12 @@ class BackendError(ProxyError):
     type = "backend_error"
 
     def __init__(self, message: str, *, status: int | None = None, type: str | None = None,
-                 code: str | int | None = None, raw: bytes | None = None, content_type: str | None = None) -> None:
+                 code: str | int | None = None, raw: bytes | None = None, content_type: str | None = None,
+                 server: str | None = None) -> None:
         super().__init__(message, status=status, type=type, code=code)
         self.raw = raw
         self.content_type = content_type or "application/json"
+        self.server = server   # the answer's Server header: what answered, when it is not llama-server
 
     def body(self) -> dict[str, Any]:
         if self.raw is not None:

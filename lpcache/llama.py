@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -71,18 +72,41 @@ class SlotAction:
         return str(err or self.body)
 
 
+MESSAGE_CHARS = 300   # the most of a backend's error text a log line or an error message carries
+_TITLE = re.compile(rb"<title[^>]*>(.*?)</title>", re.IGNORECASE | re.DOTALL)
+_TAG = re.compile(r"<[^>]*>")
+
+
+def one_line(text: str, limit: int = MESSAGE_CHARS) -> str:
+    """Text for one log line: whitespace runs (newlines too) made one space, cut at `limit` characters."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[:limit - 1] + "…"
+
+
+def body_text(raw: bytes) -> str:
+    """What a non-JSON error body says, in one short line: an HTML page by its title (or its text without the
+    tags), other text as it is; its size when cut."""
+    if raw.lstrip()[:1] == b"<":
+        title = _TITLE.search(raw)
+        text = title.group(1).decode("utf-8", "replace") if title else _TAG.sub(" ", raw.decode("utf-8", "replace"))
+        shown = "HTML page: " + one_line(text)
+    else:
+        shown = one_line(raw.decode("utf-8", "replace"))
+    return shown if len(raw) <= MESSAGE_CHARS else f"{shown} ({len(raw):,} bytes)"
+
+
 def error_message(status: int, raw: bytes) -> tuple[str, str | None]:
-    """The message (and type) of a backend's error body, whatever its shape."""
+    """The message (and type) of a backend's error body, whatever its shape, in one line of bounded length (the
+    body itself goes to the client as it came)."""
     try:
         doc = orjson.loads(raw)
     except orjson.JSONDecodeError:
-        text = raw.decode("utf-8", "replace").strip()
-        return (text[:500] or f"backend answered HTTP {status}"), None
+        return (body_text(raw) if raw.strip() else f"backend answered HTTP {status}"), None
     err = doc.get("error") if isinstance(doc, dict) else None
     if isinstance(err, dict):
-        return str(err.get("message") or f"backend answered HTTP {status}"), err.get("type")
+        return one_line(str(err.get("message") or f"backend answered HTTP {status}")), err.get("type")
     if isinstance(err, str):
-        return err, None
+        return one_line(err), None
     return f"backend answered HTTP {status}", None
 
 
@@ -151,7 +175,7 @@ class Upstream:
         self.release()
         message, kind = error_message(self.status, raw)
         raise BackendError(message, status=self.status, type=kind or "backend_error", code=self.status, raw=raw,
-                           content_type=self.headers.get("Content-Type"))
+                           content_type=self.headers.get("Content-Type"), server=self.headers.get("Server"))
 
     def release(self) -> None:
         self.response.release()
@@ -267,7 +291,8 @@ class LlamaClient:
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError as e:
-            raise BackendError(f"{path} did not answer JSON", status=502) from e
+            raise BackendError(f"{path} did not answer JSON but {body_text(raw) or 'nothing'}", status=502,
+                               server=resp.headers.get("Server")) from e
 
     async def total_slots(self) -> int:
         props = await self.props()

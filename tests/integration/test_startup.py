@@ -103,3 +103,65 @@ def test_a_crash_between_save_and_meta_file_is_reconciled_at_the_next_start(star
     again.settle()
     assert r.status_code == 200 and (meta / (key + ".meta.json")).exists()
     assert os.path.exists(os.path.join(slot_dir, key)) and not (meta / marker).exists()
+
+
+# ---- what answers at a backend's URL, said in one line at start ----
+
+async def _started(caplog: Any, url: str, n_slots: int | None = None, api_key: str | None = None) -> list[str]:
+    import aiohttp
+
+    from lpcache.backends import start_backends
+    from lpcache.config import BackendConfig, Settings
+
+    caplog.clear()
+    settings = Settings(backends=(BackendConfig(url, n_slots),), llama_api_key=api_key, request_timeout=5)
+    async with aiohttp.ClientSession() as session:
+        backends = await start_backends(settings, session)
+    assert len(backends) == 1
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("backend_unavailable_at_start")]
+
+
+async def test_a_web_server_that_is_not_llama_server_is_named_with_its_error_page_in_one_line(
+        caplog: Any) -> None:
+    from aiohttp import web
+
+    page = ("<!DOCTYPE html>\n<html>\n<head><title>404 Not Found</title></head>\n<body>\n<center><h1>404 Not Found"
+            "</h1></center>\n<hr><center>nginx/1.22.1</center>\n" + "<!-- padding -->\n" * 40 + "</body>\n</html>\n")
+
+    async def not_found(request: web.Request) -> web.Response:
+        return web.Response(status=404, text=page, content_type="text/html", headers={"Server": "nginx/1.22.1"})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", not_found)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        for n_slots in (None, 2):   # a slot count given: /health is asked instead, and 404s the same
+            (line,) = await _started(caplog, f"http://127.0.0.1:{port}", n_slots)
+            assert "\n" not in line and len(line) < 700, line
+            assert "HTML page: 404 Not Found" in line and "nginx/1.22.1 answered" in line, line
+            assert "without /v1" in line and "<center>" not in line, line
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_llama_server_that_wants_a_key_says_which_setting_takes_it(start_backend: Any,
+                                                                          caplog: Any) -> None:
+    server = start_backend(api_key="server-key, other-key")
+    for n_slots in (None, 2):   # with a slot count given, its keyless /health must not hide the missing key
+        (line,) = await _started(caplog, server.url, n_slots)
+        assert "wants a key" in line and "LLAMA_API_KEY (--api-key)" in line and "LPCACHE_API_KEYS" in line, line
+    assert await _started(caplog, server.url, None, api_key="other-key") == [], "the right key: no warning"
+
+
+async def test_nothing_listening_is_said_so(caplog: Any) -> None:
+    import socket
+
+    with socket.socket() as s:   # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (line,) = await _started(caplog, f"http://127.0.0.1:{port}")
+    assert "nothing answers at that address" in line and "asks it again until it answers" in line, line

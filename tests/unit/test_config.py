@@ -521,3 +521,53 @@ def test_the_default_body_limit_holds_a_128k_token_chat_with_images() -> None:
     body["messages"][-1]["content"] = [{"type": "text", "text": body["messages"][-1]["content"]}] + [image] * 20
     assert text_bytes < 1_000_000
     assert len(orjson.dumps(body)) < Settings().max_body_bytes
+
+
+# ---- start-up traps: an OpenAI base URL, the help, the start-up line ----
+
+@pytest.mark.parametrize("given", ["http://gpu1:8080/v1", "http://gpu1:8080/v1/", " http://gpu1:8080/v1 "])
+def test_a_backend_url_given_as_an_openai_base_url_is_cut_to_the_server_root_with_a_note(given: str) -> None:
+    settings = load_settings(["--llama-url", given])
+    assert [b.url for b in settings.backends] == ["http://gpu1:8080"]
+    assert len(settings.notes) == 1 and "LLAMA_URL=http://gpu1:8080/v1" in settings.notes[0]
+    settings = load_settings([], {"BACKENDS": f'[{{"url": "{given.strip()}"}}, {{"url": "http://h:1/llama/v1x"}}]'})
+    assert [b.url for b in settings.backends] == ["http://gpu1:8080", "http://h:1/llama/v1x"]
+    assert len(settings.notes) == 1 and settings.notes[0].startswith("config_url_fixed BACKENDS=")
+
+
+def test_a_server_root_url_gives_no_note() -> None:
+    assert load_settings(["--llama-url", "http://127.0.0.1:8080/llama"]).notes == ()
+
+
+def test_the_help_is_grouped_as_the_configuration_page_and_its_examples_load() -> None:
+    import shlex
+
+    from lpcache.config import EXAMPLES
+    from lpcache.config_doc import grouped
+
+    text = build_parser().format_help()
+    titles = [title for title, _, _ in grouped()]
+    positions = [text.index(f"\n{title}:\n") for title in titles]
+    assert positions == sorted(positions), "groups in the page's order"
+    assert "docs/sessions.md" in text and "](" not in text, "links as paths"
+    for what, line in EXAMPLES:
+        assert line in text, what
+        words = shlex.split(line)
+        env = {}
+        while "=" in words[0] and not words[0].startswith("-"):
+            name, _, value = words.pop(0).partition("=")
+            env[name] = value
+        assert words[0] == "lpcache"
+        settings = load_settings(words[1:], env)   # every example is a valid configuration
+        assert settings.backends, what
+
+
+def test_the_start_up_line_names_each_setting_once_and_n_slots_only_when_set() -> None:
+    from lpcache.config import describe
+
+    line = describe(load_settings(["--llama-url", "http://a:1"], {"LPCACHE_API_KEYS": "k1,k2"}))
+    keys = [part.partition("=")[0] for part in line.split(" ") if "=" in part]
+    assert len(keys) == len(set(keys)), line
+    assert "backends" not in keys and "plugins" not in keys and "n_slots" not in keys, line
+    assert "lpcache_api_keys=2 key(s)" in line and "k1" not in line
+    assert "n_slots=3" in describe(load_settings(["--n-slots", "3"]))
