@@ -1,10 +1,13 @@
-"""lpcache.metrics: the exposition (no `_created` series, build info, buckets up to minutes, the disk gauge), and
-the endpoints counted without a record."""
+"""lpcache.metrics: the exposition (no `_created` series, build info, buckets up to minutes, the disk gauge), the
+endpoints counted without a record, and the Grafana dashboard in docs/, whose queries name only served metrics."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import platform
+import re
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 from unittest.mock import MagicMock
@@ -18,6 +21,12 @@ from starlette.responses import Response
 from lpcache import __version__
 from lpcache.metrics import Metrics
 from lpcache.record import RequestRecord
+
+from ..metric_names import served, served_samples
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana-dashboard.json"
+METRIC = re.compile(r"\blpcache_[a-z_]+\b")
+DATASOURCE = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
 
 
 def samples(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -125,3 +134,72 @@ def test_counted_endpoints_are_counted_by_route_and_status() -> None:
     assert value("lpcache_request_duration_seconds_count", {"route": "/health"}) == 1
     assert value("lpcache_request_outcomes_total", {"reason": "ok"}) is None   # no record: not an outcome
 
+
+# ---- the Grafana dashboard ----
+
+def dashboard() -> dict[str, Any]:
+    return json.loads(DASHBOARD.read_text())   # type: ignore[no-any-return]
+
+
+def panels(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    return [p for p in doc["panels"] if p["type"] != "row"]
+
+
+def exprs(doc: dict[str, Any]) -> list[str]:
+    """The panels' PromQL expressions."""
+    return [t["expr"] for p in panels(doc) for t in p["targets"]]
+
+
+def queries(doc: dict[str, Any]) -> list[str]:
+    """The panels' expressions and the variables' queries."""
+    return exprs(doc) + [v["query"]["query"] for v in doc["templating"]["list"] if v["type"] == "query"]
+
+
+def test_the_dashboard_is_importable() -> None:
+    doc = dashboard()
+    assert isinstance(doc["schemaVersion"], int) and doc["schemaVersion"] >= 36
+    assert doc["title"] and doc["uid"] and doc["id"] is None
+    [ds] = doc["__inputs"]
+    assert (ds["name"], ds["type"], ds["pluginId"]) == ("DS_PROMETHEUS", "datasource", "prometheus")
+    ids = [p["id"] for p in doc["panels"]]
+    assert len(ids) == len(set(ids))
+    for p in panels(doc):
+        assert p["datasource"] == DATASOURCE, p["title"]
+        assert p["targets"] and all(t["datasource"] == DATASOURCE and t["expr"] for t in p["targets"]), p["title"]
+        refs = [t["refId"] for t in p["targets"]]
+        assert len(refs) == len(set(refs)), p["title"]
+        grid = p["gridPos"]
+        assert grid["w"] > 0 and grid["h"] > 0 and 0 <= grid["x"] and grid["x"] + grid["w"] <= 24, p["title"]
+    for variable in doc["templating"]["list"]:
+        assert variable["datasource"] == DATASOURCE
+
+
+def test_the_dashboard_queries_only_metrics_lpcache_serves() -> None:
+    known = served_samples()
+    used = set()
+    for query in queries(dashboard()):
+        names = set(METRIC.findall(query))
+        assert names, query
+        assert names <= known, (query, names - known)
+        used |= names
+    # what the dashboard is for: requests, prompt tokens, restores and saves with their durations, slots, the
+    # cache's entries, bytes and disk, Redis
+    assert {"lpcache_requests_total", "lpcache_prompt_tokens_total", "lpcache_restores_total", "lpcache_saves_total",
+            "lpcache_restore_seconds_bucket", "lpcache_save_seconds_bucket", "lpcache_slots_busy",
+            "lpcache_cache_entries", "lpcache_cache_bytes", "lpcache_cache_disk_bytes", "lpcache_redis_up"} <= used
+    # every family lpcache serves is on it
+    assert {name for name in served() if not set(served()[name]).isdisjoint(used)} == set(served())
+
+
+def test_the_dashboard_queries_are_balanced_and_use_the_instance_variable() -> None:
+    pairs = {")": "(", "]": "[", "}": "{"}
+    for query in exprs(dashboard()):
+        stack: list[str] = []
+        for ch in re.sub(r'"[^"]*"', '""', query):
+            if ch in "([{":
+                stack.append(ch)
+            elif ch in pairs:
+                assert stack and stack.pop() == pairs[ch], query
+        assert not stack, query
+        for selector in re.findall(r"\blpcache_[a-z_]+(\{[^}]*\})?", query):
+            assert 'instance=~"$instance"' in selector, query
