@@ -315,7 +315,7 @@ def create_app(settings: Settings, plugins: Loaded | None = None) -> Starlette:
     """Build the app. Plugins are built from `settings.plugins` unless given (PluginError on a bad spec); backends
     are contacted and the meta index loaded when it starts (ASGI lifespan)."""
     plugins = build_plugins(settings.plugins) if plugins is None else plugins
-    metrics = Metrics(lambda: getattr(app.state, "pipeline", None))
+    metrics = Metrics(lambda: getattr(app.state, "pipeline", None), lambda: getattr(app.state, "disk", None))
     excluded = {path for r in plugins.routes for path in r.excluded_paths()}
 
     def observers() -> list[Observer]:
@@ -347,7 +347,7 @@ def create_app(settings: Settings, plugins: Loaded | None = None) -> Starlette:
             if settings.redis_url:
                 fleet = app.state.pipeline.join_fleet()
                 await fleet.start()
-            disk = DiskFigure(index)
+            app.state.disk = disk = DiskFigure(index)   # the dashboard's and /metrics' (lpcache_cache_disk_bytes)
             for router in plugins.routes:
                 router.state = lambda: proxy_state(getattr(app.state, "pipeline", None), app.state.started, disk)
             for plugin in plugins.all:
@@ -378,8 +378,8 @@ def create_app(settings: Settings, plugins: Loaded | None = None) -> Starlette:
     app = Starlette(
         routes=[
             *(Route(path, generation, methods=["POST"]) for path in BY_PATH),
-            Route("/v1/models", models, methods=["GET"]),
-            Route("/health", health, methods=["GET"]),
+            Route("/v1/models", metrics.counted("/v1/models", models), methods=["GET"]),
+            Route("/health", metrics.counted("/health", health), methods=["GET"]),
             Route("/metrics", metrics.endpoint, methods=["GET"]),
             Route("/lpcache/sessions", sessions, methods=["GET"]),
             Route("/lpcache/sessions/{session}/compare", session_compare, methods=["GET"]),

@@ -1,32 +1,41 @@
 """Prometheus metrics at GET /metrics, read from the one record per request and from the live slot state.
 
 Counters and histograms are fed by `Metrics.observe` (an observer like the others); slot occupancy, breaker state
-and cache entries are read when scraped, so they are never stale. Each app has its own registry.
+and cache entries are read when scraped, so they are never stale. GET /v1/models and GET /health, which lpcache
+answers without a record, are counted by `Metrics.counted`. Each app has its own registry, exposed without the
+`_created` samples prometheus_client adds (`_WithoutCreated`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import platform
+import time
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.requests import Request
 from starlette.responses import Response
 
+from . import __version__
 from .apis import BY_PATH
 from .record import RequestRecord
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 BREAKER_STATES = ("closed", "open", "half_open")
+# Slot saves and restores: a few ms for a small file, minutes for a file of GiBs on a slow or network disk.
+SLOT_FILE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+Endpoint = Callable[[Request], Awaitable[Response]]
 
 
 class _Live(Collector):
     """Gauges computed at scrape time from the pipeline."""
 
-    def __init__(self, pipeline: Callable[[], Any]) -> None:
+    def __init__(self, pipeline: Callable[[], Any], disk: Callable[[], Any]) -> None:
         self.pipeline = pipeline
+        self.disk = disk
 
     def collect(self) -> Iterable[Metric]:
         p = self.pipeline()
@@ -48,7 +57,9 @@ class _Live(Collector):
         yield GaugeMetricFamily("lpcache_waiting_requests", "Requests waiting for a slot", value=p.pool.waiting)
         yield GaugeMetricFamily("lpcache_cache_entries", "Saved KV caches in the meta index", value=len(p.index))
         yield GaugeMetricFamily("lpcache_coalesced_groups", "Running coalesced groups", value=len(p.coalescer))
-        yield GaugeMetricFamily("lpcache_sessions", "Sessions (X-Session-ID) seen since start", value=len(p.sessions))
+        yield GaugeMetricFamily("lpcache_sessions", "Sessions (X-Session-ID, one per route) lpcache keeps track of "
+                                "now (past a bound the least recently used are forgotten, their files kept)",
+                                value=len(p.sessions))
         idle = CounterMetricFamily("lpcache_background_saves", "Slot saves outside requests (idle, shutdown, "
                                    "a router about to unload a model)", labels=["result"])
         idle.add_metric(["ok"], p.saver.background.saves_ok)
@@ -66,6 +77,11 @@ class _Live(Collector):
                                   "restored caches", value=p.reuse.turned_off)
         yield GaugeMetricFamily("lpcache_cache_bytes", "Bytes of the saved prefix caches, as the servers reported "
                                 "them", value=p.index.total_bytes)
+        disk = self.disk()
+        if disk is not None and disk.value is not None:
+            yield GaugeMetricFamily("lpcache_cache_disk_bytes", "Bytes the saved prefix caches' files take on disk, "
+                                    "in the slot-save folders lpcache sees (a few seconds old at most)",
+                                    value=disk.value)
         fleet = p.fleet
         if fleet is not None:   # REDIS_URL
             stats = fleet.stats
@@ -89,34 +105,64 @@ class _Live(Collector):
                                     value=fleet.map.count("index"))
 
 
+class _WithoutCreated(Collector):
+    """A registry's metrics without their `_created` samples (a third of the output, that Prometheus stores as
+    series of their own). prometheus_client's own switch (`disable_created_metrics()`,
+    PROMETHEUS_DISABLE_CREATED_SERIES) is global to the process; this one leaves a host application's metrics be."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterable[Metric]:
+        for metric in self.registry.collect():   # built afresh by each collect: changing it changes nothing else
+            created = metric.name + "_created"
+            metric.samples = [s for s in metric.samples if s.name != created]
+            yield metric
+
+
 class Metrics:
-    def __init__(self, pipeline: Callable[[], Any]) -> None:
+    """`pipeline` and `disk` give the live pipeline and the disk figure (`app.DiskFigure`), None before start."""
+
+    def __init__(self, pipeline: Callable[[], Any], disk: Callable[[], Any] = lambda: None) -> None:
         self.registry = CollectorRegistry()
+        self.disk = disk
+        self._exposed = _WithoutCreated(self.registry)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = self.registry
-        self.requests = Counter("lpcache_requests", "Finished requests", ["route", "status"], registry=r)
+        self.requests = Counter("lpcache_requests", "Requests finished, by route and HTTP status", ["route", "status"],
+                                registry=r)
         self.outcomes = Counter("lpcache_request_outcomes", "Finished requests by pipeline outcome (reason)",
                                 ["reason"], registry=r)
         self.prefilter = Counter("lpcache_prefilter_outcomes", "Requests a prefilter rejected or served",
                                  ["plugin", "outcome"], registry=r)
-        self.restores = Counter("lpcache_restores", "Slot restores from disk", ["result"], registry=r)
+        self.restores = Counter("lpcache_restores", "Slot restores from disk, by result (ok, failed)", ["result"],
+                                registry=r)
         self.not_reused = Counter("lpcache_restores_not_reused", "Restores the server did not reuse (it computed "
                                   "the prompt again: sliding-window model without --swa-full, hybrid model)",
                                   registry=r)
-        self.restore_seconds = Histogram("lpcache_restore_seconds", "Time of a slot restore", registry=r)
-        self.saves = Counter("lpcache_saves", "Slot saves to disk", ["result"], registry=r)
+        self.restore_seconds = Histogram("lpcache_restore_seconds", "Seconds a slot restore took (the server "
+                                         "reading the file)", buckets=SLOT_FILE_BUCKETS, registry=r)
+        self.saves = Counter("lpcache_saves", "Slot saves to disk for requests (after the answer, or of what a slot "
+                             "held before a swap), by result (ok, failed)", ["result"], registry=r)
         self.disk_bytes = Counter("lpcache_slot_file_bytes", "Bytes of slot files written (save) and read "
                                   "(restore) by the servers", ["action"], registry=r)
-        self.save_seconds = Histogram("lpcache_save_seconds", "Time of a slot save", registry=r)
-        self.tokens = Counter("lpcache_prompt_tokens", "Prompt tokens, by where they came from",
-                              ["source"], registry=r)
-        self.completion_tokens = Counter("lpcache_completion_tokens", "Generated tokens", registry=r)
+        self.save_seconds = Histogram("lpcache_save_seconds", "Seconds a slot save took (the server writing the "
+                                      "file)", buckets=SLOT_FILE_BUCKETS, registry=r)
+        self.tokens = Counter("lpcache_prompt_tokens", "Prompt tokens the servers took from their cache (cached) "
+                              "or computed (computed)", ["source"], registry=r)
+        self.completion_tokens = Counter("lpcache_completion_tokens", "Tokens the servers generated", registry=r)
         buckets = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
-        self.ttft = Histogram("lpcache_time_to_first_token_seconds", "Streams: time to the first chunk",
-                              buckets=buckets, registry=r)
-        self.duration = Histogram("lpcache_request_duration_seconds", "Time to finish a request", ["route"],
-                                  buckets=buckets, registry=r)
-        r.register(_Live(pipeline))
+        self.ttft = Histogram("lpcache_time_to_first_token_seconds", "Seconds from a streamed request's arrival "
+                              "to its first chunk", buckets=buckets, registry=r)
+        self.duration = Histogram("lpcache_request_duration_seconds", "Seconds from a request's arrival to its "
+                                  "end, by route", ["route"], buckets=buckets, registry=r)
+        Info("lpcache_build", "The lpcache version and the Python running it", registry=r).info(
+            {"version": __version__, "python": platform.python_version()})
+        for metric, values in ((self.restores, ("ok", "failed")), (self.saves, ("ok", "failed")),
+                               (self.disk_bytes, ("save", "restore")), (self.tokens, ("cached", "computed"))):
+            for value in values:   # at 0 from the start: a rate over them is 0, not "no data"
+                self._child(metric, value)
+        r.register(_Live(pipeline, disk))
 
     def _child(self, metric: Any, *labels: str) -> Any:
         """A labelled child, kept: prometheus_client's `labels()` takes a lock and builds a tuple each time."""
@@ -164,8 +210,34 @@ class Metrics:
         if record.stream and record.ttft_ms is not None:
             self.ttft.observe(record.ttft_ms / 1000.0)
 
+    def counted(self, route: str, endpoint: Endpoint) -> Endpoint:
+        """`endpoint` (one lpcache answers itself, without a record: GET /v1/models, GET /health), counted in
+        lpcache_requests_total and timed in lpcache_request_duration_seconds under `route`."""
+        def count(status: int, started: float) -> None:
+            self._child(self.requests, route, str(status)).inc()
+            self._child(self.duration, route).observe(time.monotonic() - started)
+
+        async def counted(request: Request) -> Response:
+            started = time.monotonic()
+            try:
+                response = await endpoint(request)
+            except Exception:
+                count(500, started)   # what the app's error handler answers
+                raise
+            count(response.status_code, started)
+            return response
+
+        return counted
+
+    def exposition(self) -> bytes:
+        """The metrics in Prometheus' text format, as GET /metrics serves them (the disk figure as last read)."""
+        return generate_latest(self._exposed)
+
     async def endpoint(self, request: Request) -> Response:
-        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE)
+        disk = self.disk()
+        if disk is not None:
+            await disk.get()   # stats the files in a worker thread, at most every few seconds (`app.DiskFigure`)
+        return Response(self.exposition(), media_type=CONTENT_TYPE)
 
 
 _ROUTES = frozenset({*BY_PATH, "/v1/models", "/health"})
