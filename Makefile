@@ -41,8 +41,11 @@ lint: $(BIN)/lpcache
 test: setup browser redis litellm lint
 	$(BIN)/python -m pytest -q
 
+# The quick run for development: only the virtualenv, no real llama-server (e2e).
+# The dashboard's browser test runs when Debian's chromium and chromium-driver are installed (`make browser` installs
+# them, as root) and is skipped, with a message naming them, when they are not; `make test` always runs it.
 test-fast: $(BIN)/lpcache
-	$(BIN)/python -m pytest -q -m "not e2e"
+	$(BIN)/python -m pytest -q -m "not e2e" --browser-optional
 
 # The scenarios on a real llama-server (about 25 minutes on 2 cores after the set-up): docs/benchmarks.md's tables;
 # `scale` among them runs two lpcache replicas through Debian's redis-server (`make redis`).
