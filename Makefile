@@ -8,7 +8,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup browser redis litellm aiperf demo test test-fast lint bench bench-micro
+.PHONY: setup browser redis litellm aiperf demo test test-fast lint dist bench bench-micro
 
 $(BIN)/lpcache: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,8 +41,18 @@ lint: $(BIN)/lpcache
 test: setup browser redis litellm lint
 	$(BIN)/python -m pytest -q
 
+# The quick run for development: only the virtualenv, no real llama-server (e2e) and no package builds (packaging).
+# The dashboard's browser test runs when Debian's chromium and chromium-driver are installed (`make browser` installs
+# them, as root) and is skipped, with a message naming them, when they are not; `make test` always runs it.
 test-fast: $(BIN)/lpcache
-	$(BIN)/python -m pytest -q -m "not e2e"
+	$(BIN)/python -m pytest -q -m "not e2e and not packaging" --browser-optional
+
+# The source package and the wheel, in dist/ (what was there before is removed), checked with twine.
+# tests/packaging builds, checks and installs them in CI.
+dist: $(BIN)/lpcache
+	rm -rf dist
+	$(BIN)/python -m build --outdir dist .
+	$(BIN)/twine check --strict dist/*
 
 # The scenarios on a real llama-server (about 25 minutes on 2 cores after the set-up): docs/benchmarks.md's tables;
 # `scale` among them runs two lpcache replicas through Debian's redis-server (`make redis`).

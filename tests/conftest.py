@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -90,6 +91,28 @@ _config: Any = None
 def pytest_configure(config: Any) -> None:
     global _config
     _config = config
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--browser-optional", action="store_true",
+                     help="skip the tests marked `browser` when a file they name (chromium, chromedriver) is missing, "
+                          "instead of failing them (make test-fast; make test and CI always run them)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """With --browser-optional, a test marked `browser(path, ...)` whose browser files are not all there is skipped,
+    the reason naming them; without it, the test runs and fails on its own terms."""
+    if not config.getoption("--browser-optional"):
+        return
+    for item in items:
+        marker = item.get_closest_marker("browser")
+        if marker is None:
+            continue
+        missing = [path for path in marker.args if not os.access(path, os.X_OK)]
+        if missing:
+            item.add_marker(pytest.mark.skip(
+                reason=f"{', '.join(missing)} not installed (`make browser` installs Debian's chromium and "
+                       "chromium-driver, as root)"))
 
 
 def figures(line: str) -> None:

@@ -1,5 +1,6 @@
 """The dashboard page in a real browser: headless Chromium driven by Selenium against the plugin's routes served by
-uvicorn. Needs Debian's `chromium` and `chromium-driver` and pip's `selenium`; fails (never skips) without them.
+uvicorn. Needs Debian's `chromium` and `chromium-driver` and pip's `selenium`; fails without them, unless pytest runs
+with --browser-optional (make test-fast), which skips it when the two programs are missing.
 
 With LPCACHE_SCREENSHOT=1 it also writes docs/dashboard.png (normal runs leave the tree alone)."""
 
@@ -22,6 +23,7 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 NETWORK = {"http", "https", "ws", "wss", "ftp"}
 INSTALL = "apt-get install -y chromium chromium-driver && pip install selenium"
+pytestmark = pytest.mark.browser(CHROMIUM, CHROMEDRIVER)
 
 
 def browser(profile: Path) -> Any:

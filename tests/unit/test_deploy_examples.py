@@ -1,7 +1,9 @@
 """The deployment examples in deploy/ are not run by CI (no Docker daemon, no cluster), so this checks what can drift
 without running them: every variable they give lpcache is a setting, lpcache's own loader accepts the values,
 BACKENDS names the servers the example starts (and, in compose, their slot folders where lpcache mounts them), each
-replica has its own REPLICA_ID and META_DIR, and the balancers name the replicas the examples start."""
+replica has its own REPLICA_ID and META_DIR, the balancers name the replicas the examples start, the image tags are
+the package's version, and compose gives the slot volumes to the image's user. (tests/packaging/test_image.py builds
+the image where a Docker daemon answers.)"""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+import lpcache
 from lpcache.config import OPTIONS, load_settings
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -107,3 +110,32 @@ def test_litellm_router_shuffles_over_the_compose_replicas_and_passes_the_sessio
     assert {m["litellm_params"]["api_base"] for m in router["model_list"]} == {f"http://{n}:8081/v1" for n in replicas}
     assert router["router_settings"]["routing_strategy"] == "simple-shuffle"
     assert router["general_settings"]["forward_client_headers_to_llm_api"] is True
+
+
+def test_the_image_tags_the_examples_and_docs_name_are_the_package_version() -> None:
+    """The version is written once, in lpcache/__init__.py; the examples tag the image with it, and must follow."""
+    root = DEPLOY.parent
+    files = [root / "README.md", *sorted((root / "docs").glob("*.md")),
+             *sorted(p for p in DEPLOY.rglob("*") if p.is_file() and p.suffix in ("", ".yml", ".yaml", ".md"))]
+    tags = {(p.relative_to(root).as_posix(), tag) for p in files
+            for tag in re.findall(r"\blpcache:(\d+\.\d+\.\d+\S*)", p.read_text())}
+    assert {"deploy/docker-compose.yml", "deploy/k8s/lpcache.yaml", "deploy/Dockerfile", "README.md"} <= \
+        {name for name, _ in tags}
+    assert {tag for _, tag in tags} == {lpcache.__version__}, sorted(tags)
+
+
+def test_compose_hands_the_slot_volumes_to_the_image_user_before_llama_server_starts() -> None:
+    """lpcache runs as the Dockerfile's USER and deletes the slot files it prunes: the one-shot service that gives
+    the slot volumes to that uid runs first, and covers every slot volume an lpcache replica mounts."""
+    uid = re.search(r"^USER (\d+)(?::\d+)?$", (DEPLOY / "Dockerfile").read_text(), re.MULTILINE)
+    assert uid and uid.group(1) != "0"
+    services = compose()["services"]
+    init = services["slot-folders"]
+    assert init["command"][:2] == ["chown", uid.group(1)]
+    owned = {v.split(":")[0] for v in init["volumes"] if v.split(":")[1] in init["command"][2:]}
+    replicas = [s for s in services.values() if s.get("image", "").startswith("lpcache:")]
+    for replica in replicas:
+        assert "user" not in replica    # the image's own
+        assert {v.split(":")[0] for v in replica["volumes"] if v.split(":")[0].startswith("slots-")} == owned
+    for server in (s for s in services.values() if "llama.cpp:server" in s.get("image", "")):
+        assert server["depends_on"]["slot-folders"] == {"condition": "service_completed_successfully"}

@@ -10,6 +10,8 @@ from tests.unit.test_docs import FOREIGN_NAMES, check_links, upper_names
 README = Path(__file__).resolve().parents[2] / "README.md"
 # llama-server's own flags the README explains (the others it names are lpcache's too: --port, --slot-save-path).
 LLAMA_SERVER_FLAGS = {"--cache-ram", "--swa-full", "--metrics", "--api-key", "--no-slots"}
+# `docker run`'s, in the container lines of the install section.
+DOCKER_FLAGS = {"--name", "--network"}
 
 
 def test_readme_points_to_the_generated_configuration_page() -> None:
@@ -23,7 +25,7 @@ def test_readme_names_only_variables_the_code_reads() -> None:
 
 def test_readme_names_only_flags_that_exist() -> None:
     flags = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*[a-z]", README.read_text()))
-    unknown = flags - {o.flag for o in OPTIONS} - LLAMA_SERVER_FLAGS
+    unknown = flags - {o.flag for o in OPTIONS} - LLAMA_SERVER_FLAGS - DOCKER_FLAGS
     assert unknown == set()
 
 
