@@ -28,6 +28,7 @@ from . import __version__
 from .apis import BY_PATH
 from .apis.base import Api
 from .backends import Prober, start_backends
+from .browser_login import BrowserLogin
 from .cache_files import GIB
 from .config import Settings, describe
 from .edge import HeaderLimits
@@ -351,6 +352,7 @@ def create_app(settings: Settings, plugins: Loaded | None = None) -> Starlette:
             for router in plugins.routes:
                 router.state = lambda: proxy_state(getattr(app.state, "pipeline", None), app.state.started, disk)
             for plugin in plugins.all:
+                plugin.data_dir = settings.meta_dir   # for files of its own (the dashboard's history)
                 await plugin.start()
             prober = Prober(backends, lambda b, old: pool.add(b.slots(start=old)))
             prober.start()
@@ -390,6 +392,8 @@ def create_app(settings: Settings, plugins: Loaded | None = None) -> Starlette:
         lifespan=lifespan,
     )
     if settings.api_keys:
-        app.add_middleware(ApiKeys, keys=settings.api_keys)
+        pages = [list(paths) for router in plugins.routes if (paths := router.browser_paths())]
+        login = BrowserLogin(settings.api_keys, pages) if pages else None
+        app.add_middleware(ApiKeys, keys=settings.api_keys, login=login)
     app.add_middleware(HeaderLimits)
     return app

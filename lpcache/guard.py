@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 import hmac
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect, Request
@@ -18,6 +19,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .apis import BY_PATH
 from .errors import ClientGoneReading, ProxyError
+
+if TYPE_CHECKING:
+    from .browser_login import BrowserLogin
 
 OPEN_PATHS = frozenset({"/health"})  # a load balancer's health check needs no key
 
@@ -103,13 +107,15 @@ async def send_error(send: Send, err: ProxyError, extra: Sequence[tuple[bytes, b
 
 class ApiKeys:
     """401 for a request without a configured key, shown as `Authorization: Bearer <key>` or, without an
-    Authorization header, as `X-Api-Key: <key>` (Anthropic's clients); GET /health excepted."""
+    Authorization header, as `X-Api-Key: <key>` (Anthropic's clients); GET /health excepted. With `login`, the
+    pages it knows take its cookie instead, and ask a browser without one for a key (`browser_login`)."""
 
-    def __init__(self, app: ASGIApp, keys: Sequence[str]) -> None:
+    def __init__(self, app: ASGIApp, keys: Sequence[str], login: BrowserLogin | None = None) -> None:
         if not keys:
             raise ValueError("ApiKeys needs at least one key")
         self.app = app
         self.keys = [k.encode() for k in keys]
+        self.login = login   # a browser's way in to the pages plugins name: a login form and its cookie
 
     def allowed(self, scope: Scope) -> bool:
         """The first credential header decides, as the rest of lpcache reads it (`client_identity`: whose session,
@@ -119,8 +125,11 @@ class ApiKeys:
         return key is not None and any([hmac.compare_digest(key.encode("latin-1", "replace"), k) for k in self.keys])
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self.allowed(scope):
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self.allowed(scope) or (
+                self.login is not None and self.login.admits(scope)):
             await self.app(scope, receive, send)
+            return
+        if self.login is not None and await self.login.serve(scope, receive, send):
             return
         err = ProxyError("invalid or missing API key (Authorization: Bearer <key>, or X-Api-Key: <key>)", status=401,
                          type="authentication_error", code="invalid_api_key")

@@ -8,7 +8,8 @@ A plugin is a plain class named by `name`, built from its spec's `params` once a
 - `Prefilter.answered(request, answer)`: after the backend answered a request this prefilter accepted (for a
   result cache to store it), when `Prefilter.wants_answer(request)` said so (lpcache keeps the answer only then).
 - `Observer.finished(record)`: once per finished request (success, error, rejection, client gone).
-- `Routes.routes()`: extra HTTP routes (the dashboard's), mounted before lpcache's catch-all forwarding.
+- `Routes.routes()`: extra HTTP routes (the dashboard's), mounted before lpcache's catch-all forwarding;
+  `Routes.browser_paths()`: those a browser opens, let in with a login cookie when client keys are set.
 - `start()` / `stop()`: at lpcache's start and stop.
 """
 
@@ -96,6 +97,8 @@ class Plugin:
     PluginError), and overrides the hooks it needs."""
 
     name: ClassVar[str] = ""
+    # A folder for the plugin's own files (lpcache's META_DIR), set by lpcache before `start()`; None outside it.
+    data_dir: str | None = None
 
     def __init__(self, params: Mapping[str, Any] | None = None) -> None:
         self.params = dict(params or {})
@@ -153,6 +156,12 @@ class Routes(Plugin):
 
     def excluded_paths(self) -> Sequence[str]:
         """Paths left out of the request log and the aggregates (a dashboard's own polling)."""
+        return ()
+
+    def browser_paths(self) -> Sequence[str]:
+        """Paths a browser opens, the page first, then what it fetches: with client keys, lpcache shows a login
+        form at the page and lets a browser that gave a key in with a cookie, on these paths only
+        (`lpcache.browser_login`)."""
         return ()
 
 

@@ -88,7 +88,10 @@ def test_lifetime_counters() -> None:
     plugin.finished(rec(status=None, reason="client_disconnected", prompt_tokens=30))  # no prompt_n: all computed
     c = plugin.stats()["lifetime"]
     assert (c["requests"], c["successes"], c["errors"]) == (5, 2, 3)
-    assert c["success_rate"] == pytest.approx(0.4)
+    # the 404 and the client that left are the clients' doing: the rate counts the 502 only
+    assert (c["served"], c["client_errors"], c["server_errors"]) == (2, 2, 1)
+    assert c["success_rate"] == pytest.approx(2 / 3) and c["server_error_rate"] == pytest.approx(1 / 3)
+    assert c["client_error_rate"] == pytest.approx(0.4)
     assert c["by_status"] == {"2xx": 2, "3xx": 0, "4xx": 1, "5xx": 1, "other": 1}
     assert (c["restored"], c["restore_failed"], c["cache_hits"], c["coalesced"]) == (1, 1, 1, 1)
     assert (c["saves_ok"], c["saves_failed"]) == (1, 1)
@@ -387,3 +390,100 @@ async def test_the_disk_figure_is_read_off_the_loop_once_per_period() -> None:
     disk.at -= 60   # the period is over
     await disk.get()
     assert len(index.reads) == 2
+
+
+# ---- percentiles, outcomes and load per bucket ----
+
+def test_percentiles_are_computed_per_bucket_from_its_own_requests() -> None:
+    clock = Clock(T0 + 12)
+    plugin = make(clock, bucket_secs=5, window_secs=15)
+    for i in range(1, 101):      # the first bucket: 1..100 ms, streams
+        plugin.finished(rec(started=T0 + i / 100, api="chat", elapsed_ms=float(i) * 10, ttft_ms=float(i)))
+    for _ in range(9):           # the second: nine fast JSON answers and one slow one
+        plugin.finished(rec(started=T0 + 6, api="chat", elapsed_ms=20.0))
+    plugin.finished(rec(started=T0 + 7, api="chat", elapsed_ms=5000.0))
+    plugin.finished(rec(started=T0 + 7, api="chat", status=400, elapsed_ms=1.0))   # a client's: not latency
+    plugin.finished(rec(started=T0 + 7, api=None, elapsed_ms=9999.0))              # not generation
+    series = plugin.stats()["series"]
+    assert [p["t"] for p in series] == [T0, T0 + 5, T0 + 10]
+    first, second, third = series
+    assert first["ttft_n"] == 100 and first["latency_n"] == 100
+    assert first["ttft_p50"] == pytest.approx(50, rel=0.1) and first["ttft_p90"] == pytest.approx(90, rel=0.1)
+    assert first["ttft_p99"] == pytest.approx(99, rel=0.1) and first["latency_p50"] == pytest.approx(500, rel=0.1)
+    assert second["ttft_n"] == 0 and second["ttft_p50"] is None          # no stream there
+    assert second["latency_n"] == 10 and second["latency_p50"] == pytest.approx(20, rel=0.1)
+    assert second["latency_p90"] == pytest.approx(20, rel=0.19)   # within its bin
+    assert second["latency_p99"] == 5000.0                               # the slow one, its bucket's own
+    assert third["latency_n"] == 0 and third["latency_p99"] is None
+    whole = plugin.stats()["lifetime"]["latency_ms"]
+    assert whole["n"] == 110 and whole["max"] == 5000.0 and whole["p50"] == pytest.approx(450, rel=0.15)
+
+
+def test_series_points_count_client_and_server_errors_apart() -> None:
+    clock = Clock(T0 + 4)
+    plugin = make(clock, bucket_secs=5, window_secs=10)
+    for status in (200, 200, 200, 404, 429, 503):
+        plugin.finished(rec(started=T0 + 1, status=status))
+    plugin.finished(rec(started=T0 + 1, status=200, reason="backend_unreachable"))   # broken after the 200
+    point = plugin.stats()["series"][-1]
+    assert (point["requests"], point["served"], point["client_errors"], point["server_errors"]) == (7, 3, 2, 2)
+    assert point["errors"] == 3 and point["success_rate"] == pytest.approx(3 / 5)
+    recent = plugin.stats()["recent"]
+    assert [r["outcome"] for r in recent][:3] == ["server_errors", "server_errors", "client_errors"]
+
+
+def test_prompt_tokens_from_cache_and_computed_per_point() -> None:
+    clock = Clock(T0 + 9)
+    plugin = make(clock, bucket_secs=5, window_secs=10)
+    plugin.finished(rec(started=T0, prompt_tokens=1000, cached_tokens=900, prompt_n=100))
+    plugin.finished(rec(started=T0 + 6, prompt_tokens=400, cached_tokens=0, prompt_n=400))
+    first, second = plugin.stats()["series"]
+    assert (first["cached_tokens"], first["computed_tokens"], first["cached_per_s"], first["computed_per_s"]) == (
+        900, 100, 180.0, 20.0)
+    assert (second["cached_tokens"], second["computed_tokens"]) == (0, 400)
+
+
+def test_backend_load_counts_requests_where_they_start_and_compute_where_it_was_spent() -> None:
+    clock = Clock(T0 + 30)
+    plugin = make(clock, bucket_secs=5, window_secs=35)
+    # started at T0, waited 3 s, computed 12 s (prefill 2 + generation 10): busy from T0 + 3 to T0 + 15
+    plugin.finished(rec(started=T0, backend="http://a:1", elapsed_ms=15000.0, prefill_ms=2000.0, gen_ms=10000.0))
+    plugin.finished(rec(started=T0 + 20, backend="http://b:2", elapsed_ms=500.0))   # no timings: no compute
+    series = {p["t"]: p for p in plugin.stats()["series"]}
+    assert series[T0]["backends"] == {"http://a:1": {"requests": 1, "req_per_s": 0.2, "busy": 0.4}}
+    assert series[T0 + 5]["backends"]["http://a:1"] == {"requests": 0, "req_per_s": 0.0, "busy": 1.0}
+    assert series[T0 + 10]["backends"]["http://a:1"]["busy"] == 1.0
+    assert series[T0 + 15]["backends"] == {}
+    assert series[T0 + 20]["backends"] == {"http://b:2": {"requests": 1, "req_per_s": 0.2, "busy": 0.0}}
+    assert plugin.stats()["lifetime"]["backends"] == {"http://a:1": {"requests": 1, "busy_secs": 12.0},
+                                                      "http://b:2": {"requests": 1, "busy_secs": 0.0}}
+
+
+def test_at_most_max_backends_are_told_apart() -> None:
+    from lpcache.plugins.dashboard_stats import MAX_BACKENDS, OTHER
+
+    plugin = make()
+    for i in range(MAX_BACKENDS + 8):
+        plugin.finished(rec(backend=f"http://10.0.0.{i}:8080"))
+    plugin.finished(rec(backend="http://10.0.0.0:8080"))        # a known one stays itself
+    backends = plugin.stats()["lifetime"]["backends"]
+    assert len(backends) == MAX_BACKENDS + 1 and backends[OTHER]["requests"] == 8
+    assert backends["http://10.0.0.0:8080"]["requests"] == 2
+
+
+def test_a_bucket_stays_small_under_any_traffic() -> None:
+    import random
+
+    from lpcache.plugins.dashboard_stats import BINS
+
+    plugin = make(bucket_secs=50)
+    rng = random.Random(4)
+    for _ in range(20_000):
+        plugin.finished(rec(started=T0, api="chat", elapsed_ms=rng.uniform(1, 600_000), ttft_ms=rng.uniform(1, 6e4)))
+    bucket = plugin.buckets[int(T0)]
+    assert bucket.latency is not None and bucket.ttft is not None
+    assert len(bucket.latency.bins) <= BINS and len(bucket.ttft.bins) <= BINS and bucket.latency.n == 20_000
+
+
+def test_the_dashboard_names_its_browser_paths() -> None:
+    assert make(path="/ops/dash").browser_paths() == ["/ops/dash", "/ops/dash/api/stats"]
