@@ -110,8 +110,8 @@ class SessionIds:
             self._warned[digest] = None
             while len(self._warned) > self.warned_max:
                 self._warned.popitem(last=False)
-            self.log.warning("%ssession_id_rejected reason=%s chars=%d sha256=%s: X-Session-ID cannot be a session "
-                             "(empty, over %d characters, a control character, or not UTF-8); the request is served "
-                             "in prefix mode (logged once per value)", self.prefix, reading.reason, reading.chars,
-                             digest.hex()[:12], MAX_CHARS)
+            self.log.warning(self.prefix + "session_id_rejected reason=%s chars=%d sha256=%s: X-Session-ID cannot "
+                             "be a session (empty, over %d characters, a control character, or not UTF-8); the "
+                             "request is served in prefix mode (logged once per value)", reading.reason,
+                             reading.chars, digest.hex()[:12], MAX_CHARS)
         return None
