@@ -148,3 +148,17 @@ def test_the_comparison_takes_the_id_the_client_sent(start_proxy: Any, start_bac
     too_long = proxy.client.get(f"/lpcache/sessions/{'y' * 300}/compare")
     assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "invalid_session_id"
     assert "too_long" in too_long.json()["error"]["message"]
+
+
+def test_a_router_keeps_one_file_per_model_for_a_hashed_id(start_proxy: Any, start_backend: Any,
+                                                          slot_dir: str) -> None:
+    router = start_backend(router=True, models=("qwen-écrit", "gemma-lektor"), slots=1, models_max=1)
+    proxy = start_proxy(router, models_max=1)         # lpcache follows the router's unloads
+    sid = sha32("user-42")
+    for model in ("qwen-écrit", "gemma-lektor", "qwen-écrit"):
+        r = proxy.push(user(story(20)), {"X-Session-ID": "user-42"}, model=model)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-lpcache-session"] == sid
+    names = sorted(n for n in os.listdir(slot_dir) if n.endswith(f"_{sid}.bin"))
+    assert [n.split("-", 1)[0] for n in names] == ["gemma", "qwen"]    # the models never share a file
+    assert r.headers["x-lpcache-restored"] == "true"                    # the router unloaded it; its file came back
