@@ -43,7 +43,7 @@ from .plugins.registry import Loaded
 from .plugins.registry import build as build_plugins
 from .record import Observer, RequestRecord, log_record
 from .relay import PassThrough
-from .sessions import session_id
+from .session_ids import MAX_CHARS, read_session_id
 from .slots import SlotPool
 
 log = logging.getLogger("lpcache")
@@ -167,9 +167,12 @@ async def sessions(request: Request) -> Response:
 async def session_compare(request: Request) -> Response:
     """Where the session's last prompt first differs from its previous one (`?route=` picks the route)."""
     pipeline = _pipeline(request)
-    sid = request.path_params["session"]
-    if session_id(sid) is None:
-        return error_response(BadRequest("a session id is 32 lower-case hex digits", code="invalid_session_id"))
+    reading = read_session_id(request.path_params["session"].encode("utf-8", "surrogatepass"))
+    sid = reading.id
+    if sid is None:
+        return error_response(BadRequest(f"not a session id ({reading.reason}): a session id is text of 1 to "
+                                         f"{MAX_CHARS} characters without control characters",
+                                         code="invalid_session_id"))
     info = pipeline.sessions.of_session(sid, request.query_params.get("route"), pipeline.owner(request))
     if info is None:
         return error_response(ProxyError("no such session since lpcache started", status=404, type="not_found_error",
@@ -384,7 +387,7 @@ def create_app(settings: Settings, plugins: Loaded | None = None) -> Starlette:
             Route("/health", metrics.counted("/health", health), methods=["GET"]),
             Route("/metrics", metrics.endpoint, methods=["GET"]),
             Route("/lpcache/sessions", sessions, methods=["GET"]),
-            Route("/lpcache/sessions/{session}/compare", session_compare, methods=["GET"]),
+            Route("/lpcache/sessions/{session:path}/compare", session_compare, methods=["GET"]),
             *(route for router in plugins.routes for route in router.routes()),
             Route("/{path:path}", forward, methods=ALL_METHODS),
         ],

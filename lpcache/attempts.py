@@ -29,7 +29,7 @@ from .llama import CHAT_PATH, Upstream
 from .plugins.base import MAX_ANSWER_BYTES, Answer, ChatRequest, Prefilter
 from .prefix import Prompt
 from .record import RequestRecord
-from .relay import Headers
+from .relay import Headers, session_header
 from .router_models import RouterModels
 from .saving import Saver
 from .sessions import route_name
@@ -114,7 +114,8 @@ class Attempts:
         assert self.choice is not None and self.backend is not None
         return [(b"x-lpcache-slot", f"{self.backend.index}:{self.choice.slot.id}".encode()),
                 (b"x-lpcache-restored", b"true" if self.record.restored else b"false"),
-                (b"x-lpcache-cache-hit", b"true" if self.record.cache_hit else b"false")]
+                (b"x-lpcache-cache-hit", b"true" if self.record.cache_hit else b"false"),
+                *session_header(self.want.session if self.want is not None else None)]
 
     def tee(self, chunk: bytes) -> None:
         """A piece of the answer, as it goes to the client: the followers get it too."""

@@ -60,6 +60,14 @@ class _Live(Collector):
         yield GaugeMetricFamily("lpcache_sessions", "Sessions (X-Session-ID, one per route) lpcache keeps track of "
                                 "now (past a bound the least recently used are forgotten, their files kept)",
                                 value=len(p.sessions))
+        # X-Session-ID values (`session_ids`): hashed to lpcache's form, or rejected (prefix mode) by reason
+        yield CounterMetricFamily("lpcache_session_ids_hashed", "X-Session-ID values other than 32 lower-case hex "
+                                  "digits, hashed to a session id", value=p.session_ids.hashed)
+        rejected = CounterMetricFamily("lpcache_session_ids_rejected", "X-Session-ID values that cannot be a "
+                                       "session (served in prefix mode)", labels=["reason"])
+        for reason, count in p.session_ids.rejected.items():
+            rejected.add_metric([reason], count)
+        yield rejected
         idle = CounterMetricFamily("lpcache_background_saves", "Slot saves outside requests (idle, shutdown, "
                                    "a router about to unload a model)", labels=["result"])
         idle.add_metric(["ok"], p.saver.background.saves_ok)

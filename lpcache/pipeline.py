@@ -38,7 +38,8 @@ from .relay import ClientWatch, FollowerRelay, JsonRelay, PassThrough, ServedRel
 from .reuse import ReuseWatch
 from .router_models import RouterModels
 from .saving import Saver
-from .sessions import SessionBook, route_name, session_filename, session_id
+from .session_ids import SessionIds
+from .sessions import SessionBook, route_name, session_filename
 from .slot_fill import SlotFiller
 from .slot_truth import SlotTruth
 from .slots import Content, SlotPool
@@ -59,6 +60,7 @@ class Pipeline:
         self.tasks: set[asyncio.Task[Any]] = set()
         self.coalescer = Coalescer()
         self.sessions = SessionBook()
+        self.session_ids = SessionIds(log)
         self.speeds = SpeedBook()
         self.reuse = ReuseWatch()
         folders = [swap.Folders(b.config.slot_save_path, self._limits(b)) for b in self.backends]
@@ -108,6 +110,7 @@ class Pipeline:
         # Who asks: answers are shared (coalescing, the result cache) only within one client and one session.
         client = client_identity(request.headers, bool(self.settings.api_keys))
         session = request.headers.get("x-session-id")
+        sid = self.session_ids.read(session)   # the session it names, lpcache's 32-hex id (None: prefix mode)
         view, listeners = None, []
         if self.prefilters:
             view = ChatRequest(body=dict(body) if chat else {**body, "messages": call.shown},
@@ -116,7 +119,7 @@ class Pipeline:
                                client_key=client, session=session, api=api.name)
             served = await self.prefilter(view, record)
             if served is not None:
-                return ServedRelay(served, record, self.notify, self.spawn, view)
+                return ServedRelay(served, record, self.notify, self.spawn, view, sid)
             listeners = answer_wanted_by(self.prefilters, view) if chat and prompt else []
         if prompt is None:       # a body the cache cannot key (several prompts...): a slot of the pool, uncached
             relay = await forwarded.generate(self.crew, self.settings, request.url.path, _path_qs(request),
@@ -124,7 +127,7 @@ class Pipeline:
             assert relay is not None
             return relay
         record.key, record.n_words, record.big = prompt.key, prompt.n_words, call.big
-        want = await self.session_cache(request, prompt, call.messages, record, len(raw))
+        want = await self.session_cache(request, sid, prompt, call.messages, record, len(raw)) if sid else None
         if call.big:
             call.send["cache_prompt"] = True
 
@@ -139,7 +142,7 @@ class Pipeline:
             group, leader = self.coalescer.join(coalesce_as, call.stream)
             if not leader:
                 record.coalesced = True
-                return FollowerRelay(group, call.stream, record, watch, self.notify)
+                return FollowerRelay(group, call.stream, record, watch, self.notify, sid)
             record.coalesced = False
             self.coalescer.lead(group, watch)
         client_auth = client_credential(request.headers, bool(self.settings.api_keys))
@@ -171,17 +174,12 @@ class Pipeline:
                             api.converter(body))
         return JsonRelay(attempts, record, watch, api, body)
 
-    async def session_cache(self, request: Request, prompt: Prompt, messages: list[Any], record: RequestRecord,
-                            size: int) -> Content | None:
-        """Session mode: a valid X-Session-ID keys the request by route, model identity and session. Returns the
-        cache the slot must hold (its file name is `<route tag>_<session>.bin`), or None for prefix mode. Logs
-        where the prompt first differs from the session's previous one (a big prompt's compared off the loop)."""
-        header = request.headers.get("x-session-id")
-        sid = session_id(header)
-        if sid is None:
-            if header is not None:
-                log.debug("session_id_ignored: not 32 lower-case hex digits (prefix mode)")
-            return None
+    async def session_cache(self, request: Request, sid: str, prompt: Prompt, messages: list[Any],
+                            record: RequestRecord, size: int) -> Content:
+        """Session mode: the request's session (`sid`, read from X-Session-ID by `session_ids`) keys it by route,
+        model identity and session. Returns the cache the slot must hold (its file name is
+        `<route tag>_<session>.bin`). Logs where the prompt first differs from the session's previous one (a big
+        prompt's compared off the loop)."""
         route = route_name(prompt.model)
         fingerprint = next((fp for b in self.backends if (fp := b.identity(route)) is not None), None)
         owner = self.owner(request)

@@ -37,6 +37,11 @@ def _headers(content_type: bytes) -> list[tuple[bytes, bytes]]:
     return [(b"content-type", content_type)]
 
 
+def session_header(session: str | None) -> list[tuple[bytes, bytes]]:
+    """`x-lpcache-session`: the session (lpcache's 32-hex id) a session-mode answer was keyed by."""
+    return [] if session is None else [(b"x-lpcache-session", session.encode("ascii"))]
+
+
 def error_body(err: ProxyError) -> bytes:
     return orjson.dumps(err.body())
 
@@ -368,8 +373,9 @@ class FollowerRelay:
     converted when the two differ in streaming."""
 
     def __init__(self, group: Group, stream: bool, record: RequestRecord, watch: ClientWatch,
-                 done: Callable[[RequestRecord], None]) -> None:
+                 done: Callable[[RequestRecord], None], session: str | None = None) -> None:
         self.group, self.stream, self.record, self.watch, self.done = group, stream, record, watch, done
+        self.session = session
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -379,7 +385,7 @@ class FollowerRelay:
                     if not started:
                         await send({"type": "http.response.start", "status": 200, "headers": [
                             (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
-                            (b"x-lpcache-coalesced", b"true")]})
+                            (b"x-lpcache-coalesced", b"true"), *session_header(self.session)]})
                         started, self.record.status = True, 200
                     self.record.bytes_out += len(chunk)
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -389,7 +395,7 @@ class FollowerRelay:
                 self.record.status, self.record.bytes_out = status, len(body)
                 await send({"type": "http.response.start", "status": status, "headers": [
                     *_headers(b"application/json"), (b"content-length", str(len(body)).encode()),
-                    (b"x-lpcache-coalesced", b"true")]})
+                    (b"x-lpcache-coalesced", b"true"), *session_header(self.session)]})
                 await send({"type": "http.response.body", "body": body, "more_body": False})
             if self.group.error is not None:
                 self.record.reason = "coalesce_leader_failed"
@@ -407,8 +413,9 @@ class ServedRelay:
     """An answer a prefilter gave without the backend (a result-cache hit); its post-serve cleanup runs after."""
 
     def __init__(self, served: Serve, record: RequestRecord, done: Callable[[RequestRecord], None],
-                 spawn: Callable[[Any], None], view: ChatRequest) -> None:
+                 spawn: Callable[[Any], None], view: ChatRequest, session: str | None = None) -> None:
         self.served, self.record, self.done, self.spawn, self.view = served, record, done, spawn, view
+        self.session = session
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = self.served.body
@@ -416,7 +423,7 @@ class ServedRelay:
         try:
             await send({"type": "http.response.start", "status": self.served.status, "headers": [
                 (b"content-type", self.served.content_type.encode()), (b"content-length", str(len(body)).encode()),
-                (b"x-lpcache-served-by", b"prefilter")]})
+                (b"x-lpcache-served-by", b"prefilter"), *session_header(self.session)]})
             await send({"type": "http.response.body", "body": body, "more_body": False})
         finally:
             if self.served.cleanup is not None:

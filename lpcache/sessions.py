@@ -1,10 +1,10 @@
-"""Session mode's pure parts: which X-Session-ID values count, the file name of a session's cache, and where a
-session's prompt first differs from its previous one.
+"""Session mode's pure parts: the file name of a session's cache, and where a session's prompt first differs from
+its previous one.
 
-A session id is client input that becomes part of a file name, so only 32 lower-case hex digits are accepted;
-anything else is ignored (the request falls back to prefix mode) and never reaches a path. Files are named per
-route (the model) and session, with a readable, file-safe route tag and a short hash of the route name, so two
-models never share a file and the name passes llama-server's filename check.
+A session id here is always lpcache's form, 32 lower-case hex digits (`session_ids` turns what a client sends into
+it, or rejects it), so nothing a client sends reaches a path. Files are named per route (the model) and session,
+with a readable, file-safe route tag and a short hash of the route name, so two models never share a file and the
+name passes llama-server's filename check.
 
 With client keys, a session belongs to the key that made it: its owner (a digest of the key, `guard.client_identity`)
 is part of its file name and of its entry in the book, so another key that sends the same id gets a session of its
@@ -25,21 +25,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .prefix import content_text
+from .session_ids import is_session_id
 
-_SESSION_ID = re.compile(r"[0-9a-f]{32}")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 ROUTE_TAG_CHARS = 40
 TEXT_KEPT_CHARS = 8192          # a prompt this short is kept as text: its comparison is exact to the character
 CHUNKS_MAX = 1024               # a longer one as digests of chunks (about this many): exact to a chunk ...
 CHUNK_MIN_CHARS = 64            # ... of at least this many characters
 BOOK_BUDGET_BYTES = 64 * 1024 * 1024   # all summaries of a book together
-
-
-def session_id(header: str | None) -> str | None:
-    """The X-Session-ID value when it is exactly 32 lower-case hex digits, else None."""
-    if header is not None and _SESSION_ID.fullmatch(header):
-        return header
-    return None
 
 
 def route_name(model: str) -> str:
@@ -59,7 +52,7 @@ def session_filename(route: str, session: str, fingerprint: str | None = None, o
     """`<route tag>_<session>.bin`; with an `owner`, the session part is a digest of owner and session (32 hex
     digits as well, so the name has the same form). Raises ValueError for a session id that is not 32 lower-case
     hex digits."""
-    if session_id(session) is None:
+    if not is_session_id(session):
         raise ValueError("not a session id")
     if owner is not None:
         session = hashlib.sha256(f"{owner}\n{session}".encode()).hexdigest()[:32]

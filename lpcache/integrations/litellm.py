@@ -11,10 +11,12 @@ Enable it in LiteLLM's config.yaml, on the routes that go to a llama-server:
     litellm_settings:
       callbacks: lpcache.integrations.litellm.proxy_handler_instance
 
-A request with a valid `X-Session-ID` (32 lower-case hex digits) on such a route gets its session's cache in the
-slot before LiteLLM sends it: the slot's previous session is saved under its own name (when it changed), the new
-one's file restored (no file yet: the slot is left as it is, the request reads its prompt). This is the same swap
-code lpcache's own session mode uses (`lpcache.swap`); file names, limits and log lines are the same.
+A request with an `X-Session-ID` on such a route (32 lower-case hex digits as they are, other text hashed to that
+form, a value that cannot be a session warned about once and ignored: `lpcache.session_ids`, as in lpcache) gets
+its session's cache in the slot before LiteLLM sends it: the slot's previous session is saved under its own name
+(when it changed), the new one's file restored (no file yet: the slot is left as it is, the request reads its
+prompt). This is the same swap code lpcache's own session mode uses (`lpcache.swap`); file names, limits and log
+lines are the same.
 
 - The route is LiteLLM's model group (with the wildcard, the model the client asked for) without `openai/`; files
   are `<route tag>_<session>.bin`, so two routes never share one.
@@ -54,7 +56,8 @@ from ..backends import model_fingerprint, router_model_fingerprint
 from ..cache_files import Limits
 from ..errors import ProxyError
 from ..llama import LlamaClient, client_session
-from ..sessions import SessionBook, route_name, route_tag, session_filename, session_id
+from ..session_ids import SessionIds
+from ..sessions import SessionBook, route_name, route_tag, session_filename
 from ..slots import Content
 
 try:  # LiteLLM's base class, when LiteLLM is installed (the hook runs inside its proxy)
@@ -177,6 +180,7 @@ class SlotCacheHook(CustomLogger):
         self.states: dict[tuple[str, str | None, int], SlotState] = {}
         self.loaded: dict[str, collections.OrderedDict[str, None]] = {}  # per router: models, used longest ago first
         self.sessions = SessionBook()
+        self.session_ids = SessionIds(log, prefix="slot_cache: ")
         self.limits: dict[tuple[str | None, str], Limits] = {}           # (save_path, route tag) -> limits
         self.skipped: set[tuple[str, str]] = set()
         self.fingerprints: dict[tuple[str, str], str | None] = {}
@@ -249,7 +253,7 @@ class SlotCacheHook(CustomLogger):
     async def before_request(self, kwargs: Mapping[str, Any]) -> int | None:
         """The swap for a request of a session; returns the slot to pin it to (None: not a session request)."""
         headers = (kwargs.get("proxy_server_request") or {}).get("headers") or {}
-        sid = session_id(_header(headers, "x-session-id"))
+        sid = self.session_ids.read(_header(headers, "x-session-id"))
         if sid is None:
             return None
         metadata = kwargs.get("metadata") or {}

@@ -5,6 +5,7 @@ in tests/e2e/test_litellm_real.py."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 from typing import Any
 
@@ -82,14 +83,33 @@ async def test_requests_the_hook_must_leave_alone(hook: SlotCacheHook, start_bac
     with caplog.at_level("INFO", logger="lpcache"):
         await send(hook, backend, S1, "a", slot_cache=None)          # a route without slot_cache
         await send(hook, backend, S2, "b", slot_cache=None)
-        await send(hook, backend, "../" + "1" * 29, "c")             # not a session id
-        await send(hook, backend, "A" * 32, "d")
+        await send(hook, backend, "../etc\t" + "1" * 24, "c")       # cannot be a session id: warned once
+        await send(hook, backend, "../etc\t" + "1" * 24, "c")
+        await send(hook, backend, "", "d")
         await send(hook, backend, S1, "e", slot_cache={"slot": "x"})  # a bad setting: said once, no action
     stats = mock_stats(backend)
     assert stats["saves"] == stats["restores"] == stats["erases"] == 0
     lines = [r.getMessage() for r in caplog.records]
     assert lines.count("slot_cache: not used for smol: no model_info.slot_cache") == 1
     assert any("slot_cache slot (or LLAMA_SLOT): 'x' is not a number" in line for line in lines)
+    rejected = [line for line in lines if line.startswith("slot_cache: session_id_rejected")]
+    assert len(rejected) == 2 and "reason=control_character" in rejected[0] and "reason=empty" in rejected[1]
+    assert hook.session_ids.rejected["control_character"] == 2 and not hook.states
+
+
+async def test_any_printable_id_is_hashed_to_the_same_file_as_lpcache_names_it(hook: SlotCacheHook,
+                                                                               start_backend: Any,
+                                                                               slot_dir: str) -> None:
+    backend = start_backend(slots=1)
+    uuid, user42 = "6F9619FF-8B86-D011-B42D-00C04FC964FF", "user-42"
+    zoe = "Zoë Ångström".encode().decode("latin-1")   # a UTF-8 name as LiteLLM's Starlette hands it over
+    a, b, c = words(1, 200), words(2, 200), words(3, 200)
+    for session, text in ((uuid, a), (user42, b), (zoe, c), (uuid, a + " more")):
+        await send(hook, backend, session, text)
+    sids = {v: hashlib.sha256(v.encode()).hexdigest()[:32] for v in (uuid, user42, "Zoë Ångström")}
+    assert sorted(os.listdir(slot_dir)) == sorted(name(hook, backend, "smol", sid) for sid in sids.values())
+    assert mock_stats(backend)["restores"] == 1          # the UUID's session came back from its file
+    assert hook.session_ids.hashed == 4
 
 
 async def test_dead_server_costs_nothing_but_the_cache(hook: SlotCacheHook) -> None:
