@@ -406,8 +406,10 @@ OPTIONS: tuple[Option, ...] = (
            metavar="SECONDS"),
     Option("SAVE_POLICY", "--save-policy", _save_policy, "eager",
            "When a slot's cache is written to disk. eager: after every big request (and a session's whenever it "
-           "is swapped out changed); evict: only when the slot is needed for another cache, after "
-           "SAVE_IDLE_SECONDS without a request, and at shutdown.", metavar="POLICY"),
+           "is swapped out changed), except when META_MAX is reached and the save could only make room by deleting "
+           "the file of a cache an idle slot holds (which that slot would save again before it is replaced): then "
+           "when its slot is needed, one write instead of two; evict: only when the slot is needed for another "
+           "cache, after SAVE_IDLE_SECONDS without a request, and at shutdown.", metavar="POLICY"),
     Option("SAVE_IDLE_SECONDS", "--save-idle-seconds", _float(0.0), "0",
            "Also save a slot's unsaved cache once no request used it for this long (a request restarts the wait); "
            "0 = never on idle.", metavar="SECONDS"),

@@ -616,7 +616,7 @@ class MetaIndex:
             return []
         ends = self._ends.get(new.fingerprint or "", {})
         found = []
-        in_use = self._in_use()
+        in_use = self.files_in_use()
         for digest in new.exact:
             holders = ends.get(digest)
             if holders is None:
@@ -628,13 +628,29 @@ class MetaIndex:
                     found.append(e)
         return found
 
-    def _in_use(self) -> set[str]:
+    def excess_after(self, prompt: Prompt, key: str, backend: str | None, slot_save_path: str | None,
+                     fingerprint: str | None) -> int:
+        """How many entries META_MAX would make go if this prompt's cache were recorded now under `key`, beyond the
+        ones `add` removes first (those it makes redundant, and those a later turn moved on from): 0 when it fits."""
+        count, _ = self._limits()
+        if count <= 0 or len(self._entries) + (key not in self._entries) <= count:
+            return 0
+        entry = MetaEntry(key, prompt.model, self.wpb, prompt.chain, 0.0, prompt.n_words, backend, slot_save_path,
+                          prompt.exact, fingerprint)
+        redundant = self._redundant(entry)
+        in_use = self.files_in_use()
+        gone = {r.key for r in redundant} | ({c.key for c in self._continued(entry, redundant)}
+                                            | self._moved_on.keys()) - in_use
+        gone = (gone & self._entries.keys()) - {key}
+        return max(0, len(self._entries) + (key not in self._entries) - len(gone) - count)
+
+    def files_in_use(self) -> set[str]:
         """Entries whose files a request is using: chosen for a restore not run yet, being saved again (the file is
         being rewritten), or either of these by another replica's request (`in_use_elsewhere`). Never deleted."""
         return {*self._protected, *self._saving, *self.in_use_elsewhere()}
 
     def _over_limit(self, keep: str) -> list[MetaEntry]:
-        """Delete until META_MAX and META_MAX_GIB hold, never an entry in use (`_in_use`), and `keep` (the entry
+        """Delete until META_MAX and META_MAX_GIB hold, never an entry in use (`files_in_use`), and `keep` (the entry
         just saved) only when an idle slot holds it, in this order:
 
         1. files a later save of the same conversation has moved on from (`_continued`): it holds all of theirs but
@@ -644,7 +660,7 @@ class MetaIndex:
            hold the caches no slot has (META_MAX files plus one per slot in all);
         3. the rest, by the replacement order (`eviction`): the one needed furthest in the future first.
         """
-        in_use = self._in_use()
+        in_use = self.files_in_use()
         spare = {keep, *in_use}
         removed = self._evict_among(list(self._moved_on), spare, "moved_on")
         # the entry just saved too, when a slot has it

@@ -84,6 +84,8 @@ class Saver:
         # With REDIS_URL: the next name of a backend's ring of file names, for a backend whose slot-save folder
         # lpcache cannot see (`fleet.Fleet.ring_name`); None: the prompt's own name; SharedStoreDown: not now.
         self.ring: Callable[[Backend], Awaitable[str | None]] | None = None
+        # Whether a cache worth keeping stays unsaved in its slot for now (`slot_fill.SlotFiller.save_later`).
+        self.save_later: Callable[[Backend, Content], bool] = lambda backend, content: False
 
     async def file_name(self, backend: Backend, content: Content) -> Content:
         """The name a prefix cache is saved under: its own, or on a backend whose folder lpcache cannot see (and
@@ -150,6 +152,11 @@ class Saver:
             if content is not None and prefilled:
                 self.server_caches.held(backend.index, content.chain)
             if (content is not None and content.keep and big and self.settings.save_policy == "eager"
+                    and want is None and self.enabled(backend, prompt.model) and self.save_later(backend, content)):
+                log.info("save_deferred key=%s slot=%s: META_MAX is reached and only the file of a cache an idle "
+                         "slot holds could go (saved again when that slot is needed); this one is saved then instead",
+                         content.key[:16], choice.slot.name)
+            elif (content is not None and content.keep and big and self.settings.save_policy == "eager"
                     and self.enabled(backend, prompt.model) and self.pool.ours(choice.slot)):
                 choice.slot.phase = "save"
                 if self.pool.claims is not None:
@@ -310,6 +317,8 @@ class Saver:
         held = slot.content
         if held is None or not held.dirty or not self.enabled(backend, held.model):
             return False
+        if why == "idle" and held.session is None and self.save_later(backend, held):
+            return False   # its file would only take another idle slot's place: saved when its slot is needed
         if not await self.pool.take_idle(slot, force):
             return False
         if slot.content is not held:   # its claim told another replica used it meanwhile: not this cache any more

@@ -113,22 +113,46 @@ class SlotFiller:
         self.saver = saver
         self.server_caches = saver.server_caches
         index.held = self.held_keys
+        saver.save_later = self.save_later
 
     def held_keys(self) -> list[str]:
         """The prefix caches whose files can go first when the index's limits bite, because an idle slot holds
-        them, or a cache that continues them, and saves it before anything replaces it (`prepare`): its own
-        file, and the files it holds all of but a short end (with SAVE_POLICY=evict, its conversation's earlier
-        turn, restored into it)."""
-        keys: list[str] = []
+        them, or a cache that continues them, and saves it before anything replaces it (`prepare`): first the files
+        a slot's cache holds all of but a short end (with SAVE_POLICY=evict, its conversation's earlier turn,
+        restored into it: an unsaved cache is saved before it is replaced anyway, so they go for nothing), then the
+        slots' own files (saved again then)."""
+        covered, own = self._held()
+        return covered + own
+
+    def _held(self) -> tuple[list[str], list[str]]:
+        covered: list[str] = []
+        own: list[str] = []
         for s in self.pool.slots:
             content = s.content
             if s.busy or content is None or not resavable(content) or not self.enabled(self.backends[s.backend],
                                                                                        content.model):
                 continue
             if content.saved:
-                keys.append(content.key)
-            keys += self.index.covered(content.fingerprint, content.chain)
-        return keys
+                own.append(content.key)
+            covered += [k for k in self.index.covered(content.fingerprint, content.chain) if k != content.key]
+        return covered, own
+
+    def save_later(self, backend: Backend, content: Content) -> bool:
+        """Whether a cache just computed (SAVE_POLICY=eager), or idle (SAVE_IDLE_SECONDS), stays unsaved in its slot
+        until the slot is needed: META_MAX is reached and nothing a later turn moved on from, or that a slot's
+        unsaved cache holds, can go instead, so the save would make room by deleting the file of a cache an idle
+        slot holds (its own, once its slot is idle again, or another's), and that slot saves it again before
+        anything replaces it (`prepare`). Two writes would keep the caches one write keeps later, when the slot is
+        needed and what goes is chosen by the replacement order."""
+        if content.prompt is None:
+            return False
+        excess = self.index.excess_after(content.prompt, content.key, backend.url, backend.config.slot_save_path,
+                                         content.fingerprint)
+        if excess <= 0:
+            return False
+        covered, _ = self._held()
+        in_use = self.index.files_in_use()
+        return excess > len({k for k in covered if k in self.index and k not in in_use})
 
     # ---- what may be cached where ----
 

@@ -260,6 +260,31 @@ def test_prompt_key_is_exact() -> None:
     assert a.key != b.key
 
 
+def test_long_prompts_past_meta_max_are_each_written_once_and_the_slots_still_serve_theirs(
+        start_backend: Any, start_proxy: Any) -> None:
+    """One-off long prompts (a batch job: code review of many files, each a request) on four slots, META_MAX 3.
+    Past META_MAX an eager save could only make room by deleting the file of a cache an idle slot holds, which that
+    slot writes again before it is replaced: each cache was written twice. Now it stays unsaved in its slot until
+    the slot is needed (`save_deferred`): one write per cache, META_MAX files after every request, and each of the
+    last prompts is served from its slot when it comes back, its file or its slot holding it."""
+    import os
+
+    backend = start_backend(slots=4, prefill_ms_per_token=PREFILL)
+    proxy = start_proxy(backend, meta_max=3, big_threshold_words=100)
+    bodies = [chats.request(500 + i, 260) for i in range(16)]
+    for i, body in enumerate(bodies):
+        send(proxy, body)
+        metas = [f for f in os.listdir(proxy.settings.meta_dir) if f.endswith(".meta.json")]
+        assert len(proxy.pipeline.index) <= 3 and len(metas) <= 3, (i, metas)
+    stats = mock_stats(backend)
+    # a restore replaces a slot's cache, written first when it is unsaved: the one save a prompt may add
+    assert stats["saves"] <= len(bodies) + stats["restores"], f"{stats}: caches written twice"
+    for body in bodies[-4:]:   # the last four: in their slots, or on disk
+        r = send(proxy, body)
+        assert r.headers["x-lpcache-cache-hit"] == "true" and r.json()["timings"]["cache_n"] > 200, r.headers
+    assert proxy.pipeline.index.lost == 0
+
+
 @pytest.mark.parametrize("policy", ["eager", "evict"])
 @pytest.mark.parametrize("edit", [False, True], ids=["chat", "document"])
 def test_files_and_slots_together_hold_a_working_set_that_only_fits_in_both(start_backend: Any, start_proxy: Any,
