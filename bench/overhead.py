@@ -305,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
         print_tables(doc, args)
     for lane in lanes:
         name = "" if lane == "proxy" else f"{lane}_"
-        if checks[f"{name}saves_on_stand_in"] < checks[f"{name}big_requests_via_proxy"]:
+        # past META_MAX the last caches may still be unsaved in their slots (`save_deferred`): one per slot at most
+        if checks[f"{name}saves_on_stand_in"] < checks[f"{name}big_requests_via_proxy"] - args.slots:
             print(f"warning: fewer saves than big requests ({lane}); lpcache log tail:\n{log_texts[lane]}",
                   file=sys.stderr)
     return 0
