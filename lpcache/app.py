@@ -30,7 +30,7 @@ from .apis.base import Api
 from .backends import Prober, start_backends
 from .browser_login import BrowserLogin
 from .cache_files import GIB
-from .config import Settings, describe
+from .config import Settings, describe, shown_url
 from .edge import HeaderLimits
 from .errors import BackendUnreachable, BadRequest, ClientGone, ClientGoneReading, ProxyError
 from .forwarded import slot_actions_refused, slot_touched
@@ -361,7 +361,7 @@ def create_app(settings: Settings, plugins: Loaded | None = None) -> Starlette:
             prober.start()
             app.state.loop = asyncio.get_running_loop()
             log.info("app_start version=%s backends=%s slots=%d meta_entries=%d plugins=%s %s", __version__,
-                     ",".join(f"{b.url}({b.n_slots})" for b in backends), len(pool.slots), loaded,
+                     ",".join(f"{shown_url(b.url)}({b.n_slots})" for b in backends), len(pool.slots), loaded,
                      ",".join(p.name for p in plugins.all) or "-", describe(settings))
             yield
             await prober.stop()

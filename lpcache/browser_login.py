@@ -15,6 +15,7 @@ import hashlib
 import hmac
 import html
 import logging
+import re
 import time
 from collections.abc import Callable, Sequence
 from urllib.parse import parse_qs
@@ -23,6 +24,8 @@ from starlette.datastructures import Headers
 from starlette.requests import cookie_parser
 from starlette.types import Receive, Scope, Send
 
+from .guard import key_matches
+
 log = logging.getLogger("lpcache.login")
 
 COOKIE = "lpcache_login"
@@ -30,6 +33,7 @@ COOKIE_SECS = 7 * 86400
 MAX_FORM_BYTES = 4096        # a login form's body; more is not read
 FORM_TIMEOUT = 10.0          # seconds for it to come
 _CLOCK_SKEW = 60             # a cookie issued up to this far in the future (another replica's clock) is fine
+_ISSUED = re.compile(r"[0-9]{1,12}")   # the cookie's issue time: at most 12 ASCII digits
 
 
 class BrowserLogin:
@@ -54,7 +58,7 @@ class BrowserLogin:
     def valid(self, value: str, page: str) -> bool:
         version, _, rest = value.partition(".")
         issued_text, _, _mac = rest.partition(".")
-        if version != "v1" or not issued_text.isdigit() or len(issued_text) > 12:
+        if version != "v1" or not _ISSUED.fullmatch(issued_text):   # ASCII digits only: "²".isdigit() is True
             return False
         issued, now = int(issued_text), self.clock()
         if not now - COOKIE_SECS <= issued <= now + _CLOCK_SKEW:
@@ -64,16 +68,16 @@ class BrowserLogin:
         return any([hmac.compare_digest(self.cookie(k, page, issued).encode(), given) for k in self.keys])
 
     def admits(self, scope: Scope) -> bool:
-        """Whether the request shows a valid login cookie for the page its path belongs to."""
+        """Whether the request reads (GET, HEAD) the page its path belongs to, or its stats, with a valid login
+        cookie: the cookie opens nothing else (a POST to those paths would fall through to the backend)."""
         page = self.opens.get(scope["path"])
-        if page is None:
+        if page is None or scope.get("method") not in ("GET", "HEAD"):
             return False
         value = cookie_parser(Headers(scope=scope).get("cookie", "")).get(COOKIE)
         return value is not None and self.valid(value, page)
 
     def key_ok(self, key: str) -> bool:
-        given = key.encode("utf-8", "replace")
-        return any([hmac.compare_digest(given, k) for k in self.keys])
+        return key_matches(key.encode("utf-8", "replace"), self.keys)
 
     # ---- the page's answers ----
 

@@ -139,6 +139,18 @@ def _url(raw: str) -> str:
     return url
 
 
+def shown_url(url: str | None) -> str | None:
+    """A URL for a log line: its password (redis://:secret@host, http://user:secret@host) replaced by ***."""
+    if not url:
+        return url
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    user = parts.username or ""
+    return parts._replace(netloc=f"{user}:***@{host}").geturl()
+
+
 def _redis_url(raw: str) -> str | None:
     url = raw.strip()
     if not url:
@@ -322,8 +334,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("META_DIR", "--meta-dir", _text, "./kv_meta", "Folder of the <key>.meta.json files.", metavar="DIR"),
     Option("META_MAX", "--meta-max", _int(0), "10",
            "Most meta files kept, with their KV files; 0 = no limit. First deleted: files a later turn moved on from, "
-           "then those an idle slot holds (saved again before it is replaced), then those needed furthest in the "
-           "future. A file chosen for a restore not run yet is neither deleted nor counted.",
+           "then those an idle slot holds (saved again before it is replaced; not with REDIS_URL, where another "
+           "replica may replace the slot), then those needed furthest in the future. A file chosen for a restore "
+           "not run yet is neither deleted nor counted.",
            metavar="N"),
     Option("META_MAX_GIB", "--meta-max-gib", _gib_or_auto, "auto",
            "Most GiB of prefix-mode cache files kept (besides META_MAX), the ones least likely to be used again "
@@ -408,10 +421,12 @@ OPTIONS: tuple[Option, ...] = (
            "When a slot's cache is written to disk. eager: after every big request (and a session's whenever it "
            "is swapped out changed), except when META_MAX is reached and the save could only make room by deleting "
            "the file of a cache an idle slot holds (which that slot would save again before it is replaced): then "
-           "when its slot is needed, one write instead of two; evict: only when the slot is needed for another "
-           "cache, after SAVE_IDLE_SECONDS without a request, and at shutdown.", metavar="POLICY"),
+           "when its slot is needed or at shutdown, one write instead of two (not with REDIS_URL; a crash of lpcache "
+           "or llama-server loses such a cache, as the deleted file would have been); evict: only when the slot is "
+           "needed for another cache, after SAVE_IDLE_SECONDS without a request, and at shutdown.", metavar="POLICY"),
     Option("SAVE_IDLE_SECONDS", "--save-idle-seconds", _float(0.0), "0",
-           "Also save a slot's unsaved cache once no request used it for this long (a request restarts the wait); "
+           "Also save a slot's unsaved cache once no request used it for this long (a request restarts the wait), "
+           "unless META_MAX is reached and that save would only take the place of another idle slot's file; "
            "0 = never on idle.", metavar="SECONDS"),
     Option("MAX_FILES", "--max-files", _int(0), "0",
            "Keep at most this many saved session caches per route (model); the ones used longest ago go first. "
@@ -593,8 +608,8 @@ def _api_root(backend: BackendConfig, notes: list[str], name: str) -> BackendCon
     if not backend.url.endswith("/v1"):
         return backend
     root = backend.url.removesuffix("/v1")
-    notes.append(f"config_url_fixed {name}={backend.url} is used as {root}: lpcache needs llama-server's root URL "
-                 f"(it adds /v1/... and /props itself)")
+    notes.append(f"config_url_fixed {name}={shown_url(backend.url)} is used as {shown_url(root)}: lpcache needs "
+                 f"llama-server's root URL (it adds /v1/... and /props itself)")
     return dataclasses.replace(backend, url=root)
 
 
@@ -638,6 +653,8 @@ def describe(settings: Settings) -> str:
             value = list(settings.slot_save_paths) or None
         elif o.env == "LLAMA_API_KEY":
             value = "set" if settings.llama_api_key else "unset"
+        elif o.env == "REDIS_URL":
+            value = shown_url(settings.redis_url)
         elif o.env == "META_MAX_GIB":
             value = "auto" if settings.meta_max_gib is None else settings.meta_max_gib
         elif o.env == "LPCACHE_API_KEYS":

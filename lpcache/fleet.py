@@ -34,6 +34,7 @@ import orjson
 from redis.exceptions import RedisError
 
 from .backends import Backend
+from .config import shown_url
 from .errors import SharedStoreDown
 from .index import MetaIndex
 from .leases import COUNTER, GRANT, PREFIX, Holder, Lease, Leases, drift
@@ -221,7 +222,7 @@ class Fleet:
         Redis does not have (its META_DIR, read at start)."""
         await self.map.start()
         if not self.map.healthy:
-            log.warning("redis_unreachable url=%s: serving on local decisions until it answers", self.url)
+            log.warning("redis_unreachable url=%s: serving on local decisions until it answers", shown_url(self.url))
             return
         missing = [(key, doc) for key, doc in await asyncio.to_thread(self.index.documents)
                    if self.map.get("index", key) is None]
@@ -230,7 +231,7 @@ class Fleet:
                 await self.map.update("index", puts=dict(missing[at:at + 256]))
         except SharedStoreDown as e:
             log.warning("index_publish_failed entries=%d: %s", len(missing), e)
-        log.info("fleet_start replica=%s redis=%s shared_entries=%d published=%d", self.replica, self.url,
+        log.info("fleet_start replica=%s redis=%s shared_entries=%d published=%d", self.replica, shown_url(self.url),
                  self.map.count("index"), len(missing))
 
     async def stop(self) -> None:

@@ -31,6 +31,12 @@ CREDENTIAL_HEADERS = ("authorization", "x-api-key")
 _SECRET_HEADERS = frozenset({*CREDENTIAL_HEADERS, "proxy-authorization"})
 
 
+def key_matches(given: bytes, keys: Sequence[bytes]) -> bool:
+    """Whether `given` is one of the client keys, compared with every key in constant time, so the time taken does
+    not tell which one nearly matched."""
+    return any([hmac.compare_digest(given, k) for k in keys])
+
+
 def credential(headers: Mapping[str, str]) -> tuple[str, str] | None:
     """The client's credential header, (name, value), as llama-server picks it: Authorization, else X-Api-Key;
     None without either. `headers`: a request's (Starlette's `Headers`: names in any case, a repeated header's
@@ -121,8 +127,7 @@ class ApiKeys:
         """The first credential header decides, as the rest of lpcache reads it (`client_identity`: whose session,
         whose coalesced call), so no request passes with a key that is not its identity."""
         key = presented_key(credential(Headers(scope=scope)))
-        # compare with every key, so the time taken does not tell which one nearly matched
-        return key is not None and any([hmac.compare_digest(key.encode("latin-1", "replace"), k) for k in self.keys])
+        return key is not None and key_matches(key.encode("latin-1", "replace"), self.keys)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self.allowed(scope) or (

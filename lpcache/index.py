@@ -629,11 +629,17 @@ class MetaIndex:
         return found
 
     def excess_after(self, prompt: Prompt, key: str, backend: str | None, slot_save_path: str | None,
-                     fingerprint: str | None) -> int:
-        """How many entries META_MAX would make go if this prompt's cache were recorded now under `key`, beyond the
-        ones `add` removes first (those it makes redundant, and those a later turn moved on from): 0 when it fits."""
-        count, _ = self._limits()
-        if count <= 0 or len(self._entries) + (key not in self._entries) <= count:
+                     fingerprint: str | None, tokens: int | None = None) -> int:
+        """How many entries the limits would make go if this prompt's cache (`tokens` long, when known) were
+        recorded now under `key`, beyond the ones `add` removes first (those it makes redundant, and those a later
+        turn moved on from): 0 when it fits. For META_MAX_GIB, the file's size is guessed from the bytes per token
+        of the files already saved, and counted as one entry more when it does not fit."""
+        count, size = self._limits()
+        new = key not in self._entries
+        size_guess = self._bytes_per_token() * (tokens or 0)
+        over_count = count > 0 and len(self._entries) + new > count
+        over_bytes = size > 0 and size_guess > 0 and self._usage.total_bytes + size_guess > size
+        if not (over_count or over_bytes):
             return 0
         entry = MetaEntry(key, prompt.model, self.wpb, prompt.chain, 0.0, prompt.n_words, backend, slot_save_path,
                           prompt.exact, fingerprint)
@@ -642,7 +648,17 @@ class MetaIndex:
         gone = {r.key for r in redundant} | ({c.key for c in self._continued(entry, redundant)}
                                             | self._moved_on.keys()) - in_use
         gone = (gone & self._entries.keys()) - {key}
-        return max(0, len(self._entries) + (key not in self._entries) - len(gone) - count)
+        excess = max(0, len(self._entries) + new - len(gone) - count) if count > 0 else 0
+        if size > 0 and size_guess > 0:
+            left = self._usage.total_bytes - sum(u.size for k in gone if (u := self._usage.get(k)) is not None)
+            excess = max(excess, int(left + size_guess > size))
+        return excess
+
+    def _bytes_per_token(self) -> float:
+        """Bytes per token of the files saved (their sizes and token counts as the servers reported): 0 unknown."""
+        sized = [(e.size, e.n_tokens) for e in itertools.islice(reversed(self._entries.values()), 64)
+                 if e.size and e.n_tokens]
+        return sum(s for s, _ in sized) / sum(n for _, n in sized) if sized else 0.0
 
     def files_in_use(self) -> set[str]:
         """Entries whose files a request is using: chosen for a restore not run yet, being saved again (the file is

@@ -35,6 +35,11 @@ from .speeds import SpeedBook
 log = logging.getLogger("lpcache.saving")
 
 
+def resavable(content: Content) -> bool:
+    """A prefix cache worth keeping whose prompt is known: it can be saved again under its name."""
+    return content.keep and content.session is None and content.prompt is not None
+
+
 @dataclass
 class BackgroundSaves:
     """Saves outside any request (idle, shutdown, a model about to be unloaded): they have no request record."""
@@ -86,6 +91,7 @@ class Saver:
         self.ring: Callable[[Backend], Awaitable[str | None]] | None = None
         # Whether a cache worth keeping stays unsaved in its slot for now (`slot_fill.SlotFiller.save_later`).
         self.save_later: Callable[[Backend, Content], bool] = lambda backend, content: False
+        self.stopping = False   # the shutdown's saves have begun (`save_all`)
 
     async def file_name(self, backend: Backend, content: Content) -> Content:
         """The name a prefix cache is saved under: its own, or on a backend whose folder lpcache cannot see (and
@@ -315,7 +321,7 @@ class Saver:
         idle, shutdown, a router about to unload the model). False when there was nothing to do or the slot was
         taken."""
         held = slot.content
-        if held is None or not held.dirty or not self.enabled(backend, held.model):
+        if held is None or not self.unsaved(held) or not self.enabled(backend, held.model):
             return False
         if why == "idle" and held.session is None and self.save_later(backend, held):
             return False   # its file would only take another idle slot's place: saved when its slot is needed
@@ -331,13 +337,20 @@ class Saver:
         finally:
             self.pool.release(slot, True, used=False)
 
+    def unsaved(self, content: Content) -> bool:
+        """Worth keeping and not on disk: changed since its last save (SAVE_POLICY=evict, a deferred save, a small
+        session request), or a prefix cache whose file the limits deleted while its slot held it."""
+        return content.dirty or (resavable(content) and content.key not in self.index)
+
     async def save_all(self, timeout: float) -> None:
-        """At shutdown (SAVE_POLICY=evict): save every idle slot whose cache is not on disk yet."""
+        """At shutdown: save every idle slot whose cache is worth keeping and not on disk (`unsaved`), so a
+        restart has them; the limits then keep what the replacement order says, every slot's cache a candidate."""
+        self.stopping = True
         for task in list(self.idle_saves.values()):
             task.cancel()
         self.idle_saves.clear()
         jobs = [self.save_idle_slot(slot, self.backends[slot.backend], "shutdown")
-                for slot in self.pool.slots if slot.content is not None and slot.content.dirty]
+                for slot in self.pool.slots if slot.content is not None and self.unsaved(slot.content)]
         if jobs:
             log.info("saving %d unsaved slot cache(s) before stopping", len(jobs))
             await asyncio.wait([asyncio.ensure_future(j) for j in jobs], timeout=timeout)

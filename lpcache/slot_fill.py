@@ -34,18 +34,13 @@ from .prefix import Prompt, common_prefix
 from .record import RequestRecord
 from .reuse import REUSE_MIN_TOKENS, REUSE_SHORT, ReuseWatch
 from .router_models import RouterModels
-from .saving import Saver, int_or_none, slot_files_off
+from .saving import Saver, int_or_none, resavable, slot_files_off
 from .sessions import SessionBook, route_name
 from .slots import Budget, Choice, Content, Slot, SlotPool, WaitPlan, Want, wait_plan
 from .speeds import SpeedBook, Speeds
 
 log = logging.getLogger("lpcache.slot_fill")
 
-
-
-def resavable(content: Content) -> bool:
-    """A prefix cache worth keeping whose prompt is known: it can be saved again under its name."""
-    return content.keep and content.session is None and content.prompt is not None
 
 
 def beside_wait(slot: Slot, mine: float, blocks: int, speeds: Speeds) -> float:
@@ -125,8 +120,14 @@ class SlotFiller:
         return covered + own
 
     def _held(self) -> tuple[list[str], list[str]]:
+        """(files a slot's cache holds all of but a short end, the slots' own files), of the idle slots that save
+        their cache before anything replaces it. None with REDIS_URL: another replica replaces a slot without
+        saving what this one left there (it does not know its prompt); nor at shutdown: a slot saved then is
+        never replaced, its file would just go."""
         covered: list[str] = []
         own: list[str] = []
+        if self.pool.claims is not None or self.saver.stopping:
+            return covered, own
         for s in self.pool.slots:
             content = s.content
             if s.busy or content is None or not resavable(content) or not self.enabled(self.backends[s.backend],
@@ -144,10 +145,10 @@ class SlotFiller:
         slot holds (its own, once its slot is idle again, or another's), and that slot saves it again before
         anything replaces it (`prepare`). Two writes would keep the caches one write keeps later, when the slot is
         needed and what goes is chosen by the replacement order."""
-        if content.prompt is None:
+        if content.prompt is None or self.pool.claims is not None or self.saver.stopping:
             return False
         excess = self.index.excess_after(content.prompt, content.key, backend.url, backend.config.slot_save_path,
-                                         content.fingerprint)
+                                         content.fingerprint, content.tokens)
         if excess <= 0:
             return False
         covered, _ = self._held()
@@ -323,7 +324,7 @@ class SlotFiller:
                 return
             slot, restoring = choice.slot, choice.restore is not None
             held = slot.content
-            if held is not None and (held.dirty or (resavable(held) and held.key not in self.index)) and (
+            if held is not None and self.saver.unsaved(held) and (
                     restoring or common_prefix(held.chain, prompt.exact) < len(held.chain)):
                 await self.saver.save_held(backend, slot, held, record)
             if restoring and not self.pool.ours(slot):   # lapsed during the save

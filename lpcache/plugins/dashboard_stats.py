@@ -6,8 +6,9 @@ most `MAX_BACKENDS` + 1 rows of per-backend load, whatever the traffic.
 
 Outcomes: each request is exactly one of *served* (a status below 400, its answer not broken by the server),
 *client error* (a 4xx, 499 included: the client's request, key or patience; or a client that left before any
-status) and *server error* (a 5xx, a stream a backend broke after its 200, a request that got no status for
-another reason). The success rate is served / (served + server errors): client errors are counted apart.
+status) and *server error* (a 5xx, a 401 or 403 of a backend refusing lpcache's LLAMA_API_KEY, a stream a backend
+broke after its 200, a request that got no status for another reason). The success rate is served / (served +
+server errors): client errors are counted apart.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ INDEX = {name: i for i, name in enumerate(FIELDS)}
 BROKEN = frozenset({"backend_unreachable", "backend_error", "provider_bad_answer", "provider_non_object",
                     "coalesce_leader_failed", "internal_error"})
 CLIENT_GONE = "client_disconnected"
+BACKEND_REFUSED = frozenset({"provider_http_401", "provider_http_403"})
 
 SUB = 4                 # histogram bins per doubling of the value: a bin is 19 % wide
 LOW = -4                # from 2**-4 ms (62 µs)
@@ -44,7 +46,8 @@ def outcome(status: int | None, reason: str | None) -> str:
     if status is None:
         return "client_errors" if reason == CLIENT_GONE else "server_errors"
     if 400 <= status < 500:
-        return "client_errors"
+        # a backend refusing lpcache's own key is lpcache's configuration (LLAMA_API_KEY), not the client's
+        return "server_errors" if reason in BACKEND_REFUSED else "client_errors"
     if status >= 500 or status < 100:
         return "server_errors"
     return "server_errors" if reason in BROKEN else "served"

@@ -707,3 +707,32 @@ async def test_the_files_another_replicas_request_restores_or_saves_are_never_de
     finally:
         await a.stop()
         await b.stop()
+
+
+def test_with_redis_no_cache_waits_unsaved_in_a_slot_another_replica_may_replace(
+        start_backend: Any, start_proxy: Any, redis_server: RedisServer, tmp_path: Any, caplog: Any) -> None:
+    """Another replica replaces a slot without saving what this one left there (it does not know its prompt), so
+    with REDIS_URL a long prompt's cache is saved after its answer even past META_MAX (never left unsaved in its
+    slot, `save_deferred`), and the limits never delete a file because a slot holds it (`in_slot`): that slot may
+    be another replica's next. Each comes back through the other replica restored while its file is kept."""
+    import logging
+
+    backend = start_backend(slots=1)
+    a, b = replicas(start_proxy, [backend], redis_server, tmp_path, meta_max=2, big_threshold_words=100)
+    caplog.set_level(logging.INFO)
+    bodies = [chats.request(700 + i, 260) for i in range(5)]
+    for i, body in enumerate(bodies):
+        proxy = (a, b)[i % 2]
+        assert proxy.post(body).status_code == 200
+        proxy.wait_finished(sum(1 for j in range(i + 1) if j % 2 == i % 2))
+    said = [r.getMessage() for r in caplog.records]
+    assert not [m for m in said if "save_deferred" in m or "reason=in_slot" in m], said
+    assert mock_stats(backend)["saves"] == len(bodies), "each saved once, after its answer"
+    saved = {r.save_file: r for p in (a, b) for r in p.records}
+    held = {s.content.key for s in a.pipeline.pool.slots if s.content is not None}
+    kept = [k for k in a.pipeline.index._entries if k in saved and k not in held]
+    assert kept, "a file the slot no longer holds is kept"
+    body = bodies[[r.save_file for r in sorted(saved.values(), key=lambda r: r.started)].index(kept[0])]
+    assert a.post(body).status_code == 200
+    a.wait_finished(4)
+    assert a.records[-1].restored and a.records[-1].cache_hit, a.records[-1]

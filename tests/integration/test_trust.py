@@ -260,8 +260,9 @@ def test_prompt_key_is_exact() -> None:
     assert a.key != b.key
 
 
+@pytest.mark.parametrize("limit", ["count", "bytes"])
 def test_long_prompts_past_meta_max_are_each_written_once_and_the_slots_still_serve_theirs(
-        start_backend: Any, start_proxy: Any) -> None:
+        start_backend: Any, start_proxy: Any, limit: str) -> None:
     """One-off long prompts (a batch job: code review of many files, each a request) on four slots, META_MAX 3.
     Past META_MAX an eager save could only make room by deleting the file of a cache an idle slot holds, which that
     slot writes again before it is replaced: each cache was written twice. Now it stays unsaved in its slot until
@@ -270,12 +271,16 @@ def test_long_prompts_past_meta_max_are_each_written_once_and_the_slots_still_se
     import os
 
     backend = start_backend(slots=4, prefill_ms_per_token=PREFILL)
-    proxy = start_proxy(backend, meta_max=3, big_threshold_words=100)
+    # META_MAX 3, or META_MAX_GIB about three and a half of these files (the stand-in's are about 2,800 bytes)
+    limits = {"meta_max": 3} if limit == "count" else {"meta_max": 0, "meta_max_gib": 3.5 * 2800 / 2**30}
+    proxy = start_proxy(backend, big_threshold_words=100, **limits)
     bodies = [chats.request(500 + i, 260) for i in range(16)]
     for i, body in enumerate(bodies):
         send(proxy, body)
         metas = [f for f in os.listdir(proxy.settings.meta_dir) if f.endswith(".meta.json")]
-        assert len(proxy.pipeline.index) <= 3 and len(metas) <= 3, (i, metas)
+        most = 3 if limit == "count" else 4   # 3.5 files' bytes: the sizes vary with the prompts
+        assert len(proxy.pipeline.index) <= most and len(metas) <= most, (i, metas)
+        assert not proxy.pipeline.index.over(), i
     stats = mock_stats(backend)
     # a restore replaces a slot's cache, written first when it is unsaved: the one save a prompt may add
     assert stats["saves"] <= len(bodies) + stats["restores"], f"{stats}: caches written twice"
@@ -283,6 +288,39 @@ def test_long_prompts_past_meta_max_are_each_written_once_and_the_slots_still_se
         r = send(proxy, body)
         assert r.headers["x-lpcache-cache-hit"] == "true" and r.json()["timings"]["cache_n"] > 200, r.headers
     assert proxy.pipeline.index.lost == 0
+
+
+def test_caches_left_unsaved_in_their_slots_are_saved_at_shutdown_and_kept_for_the_restart(
+        start_backend: Any, start_proxy: Any, slot_dir: str, caplog: Any) -> None:
+    """Past META_MAX the last caches wait in their slots (`save_deferred`); a stop saves them, and no slot is ever
+    replaced after that, so none of those files may go for its slot's sake (`in_slot`): the replacement order
+    chooses among them all, and a restart restores one of them."""
+    import logging
+    import os
+
+    backend = start_backend(slots=4, prefill_ms_per_token=PREFILL)
+    proxy = start_proxy(backend, meta_max=3, big_threshold_words=100)
+    bodies = [chats.request(600 + i, 260) for i in range(8)]
+    key_of: dict[str, int] = {}
+    for i, body in enumerate(bodies):
+        b, slot = send(proxy, body).headers["x-lpcache-slot"].split(":")
+        content = next(s.content for s in proxy.pipeline.pool.slots if s.backend == int(b) and s.id == int(slot))
+        assert content is not None
+        key_of[content.key] = i
+    waiting = {s.content.key for s in proxy.pipeline.pool.slots if s.content is not None and s.content.dirty}
+    assert waiting, "past META_MAX some caches wait in their slots"
+    caplog.set_level(logging.INFO)
+    caplog.clear()
+    proxy.stop()
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("background_save why=shutdown" in m and "ok=true" in m for m in said) >= len(waiting), said
+    assert not [m for m in said if "reason=in_slot" in m], "a file saved at shutdown deleted for its slot's sake"
+    kept = {f.removesuffix(".meta.json") for f in os.listdir(proxy.settings.meta_dir) if f.endswith(".meta.json")}
+    assert len(kept) == 3 and kept & waiting, (kept, waiting)
+    assert all(os.path.exists(os.path.join(slot_dir, key)) for key in kept)
+    again = start_proxy(backend, meta_max=3, big_threshold_words=100)
+    r = send(again, bodies[key_of[sorted(kept & waiting)[0]]])
+    assert r.headers["x-lpcache-restored"] == "true" and r.json()["timings"]["cache_n"] > 200, r.headers
 
 
 @pytest.mark.parametrize("policy", ["eager", "evict"])

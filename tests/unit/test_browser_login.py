@@ -89,7 +89,7 @@ async def test_the_form_lets_a_right_key_in_with_a_cookie() -> None:
         assert (await http.get(STATS, headers=with_cookie)).text == "inside " + STATS
         for other in ("/v1/models", "/metrics", "/other/page"):   # the cookie opens the dashboard only
             assert (await http.get(other, headers=with_cookie)).status_code == 401, other
-        assert (await http.post(STATS, headers=with_cookie)).status_code == 405   # the route's own answer
+        assert (await http.post(STATS, headers=with_cookie)).status_code == 401   # for reading only
 
 
 async def test_a_key_in_the_url_is_exchanged_for_the_cookie() -> None:
@@ -170,3 +170,23 @@ def test_the_cookie_is_an_hmac_not_the_key() -> None:
     assert login.valid(a, PAGE) and not login.valid(a, "/elsewhere")
     with pytest.raises(ValueError):
         BrowserLogin([], [[PAGE]])
+
+
+async def test_a_cookie_of_digits_that_are_not_ascii_is_refused_not_a_crash() -> None:
+    """'²'.isdigit() is True and int('²') raises: the issue time must be ASCII digits (a 401, never a 500)."""
+    clock = Clock()
+    async with client(clock) as http:
+        for raw in (b"v1.\xb2.abc", b"v1.1\xb9\xb3.abc", "v1.١٢٣.abc".encode()):
+            resp = await http.get(STATS, headers={"cookie": b"lpcache_login=" + raw})
+            assert resp.status_code == 401, raw
+
+
+async def test_the_cookie_opens_the_page_for_reading_only() -> None:
+    clock = Clock()
+    async with client(clock) as http:
+        value = cookie_of(await http.post(PAGE, data={"key": KEYS[0]}))
+        assert (await http.get(STATS, headers={"cookie": f"{COOKIE}={value}"})).status_code == 200
+        assert (await http.head(STATS, headers={"cookie": f"{COOKIE}={value}"})).status_code in (200, 405)
+        for method in ("POST", "PUT", "DELETE"):
+            resp = await http.request(method, STATS, headers={"cookie": f"{COOKIE}={value}"})
+            assert resp.status_code == 401, method

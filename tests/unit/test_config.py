@@ -572,3 +572,14 @@ def test_the_start_up_line_names_each_setting_once_and_n_slots_only_when_set() -
     assert "backends" not in keys and "plugins" not in keys and "n_slots" not in keys, line
     assert "lpcache_api_keys=2 key(s)" in line and "k1" not in line
     assert "n_slots=3" in describe(load_settings(["--n-slots", "3"]))
+
+
+def test_passwords_in_urls_never_reach_the_start_up_line() -> None:
+    from lpcache.config import describe, shown_url
+
+    settings = load_settings(["--redis-url", "redis://:s3cret@redis:6379/0",
+                              "--llama-url", "http://alice:pa55@gpu1:8080/v1"])
+    line = describe(settings) + " ".join(settings.notes)
+    assert "s3cret" not in line and "pa55" not in line, line
+    assert "redis_url=redis://:***@redis:6379/0" in line and "alice:***@gpu1:8080" in line
+    assert shown_url("http://gpu1:8080") == "http://gpu1:8080" and shown_url(None) is None

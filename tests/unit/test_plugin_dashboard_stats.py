@@ -21,7 +21,10 @@ from lpcache.record import RequestRecord
     (200, "backend_unreachable", "server_errors"),  # a stream the backend broke after its 200
     (200, "coalesce_leader_failed", "server_errors"),
     (400, "invalid_request", "client_errors"),
-    (401, None, "client_errors"),
+    (401, None, "client_errors"),                  # lpcache refused the client's key
+    (401, "provider_http_401", "server_errors"),   # the backend refused lpcache's LLAMA_API_KEY
+    (403, "provider_http_403", "server_errors"),
+    (400, "provider_http_400", "client_errors"),   # the backend refused the request (its context, say)
     (404, "backend_error", "client_errors"),       # the backend's own 4xx: still the request's fault
     (408, "client_timeout", "client_errors"),
     (429, None, "client_errors"),
