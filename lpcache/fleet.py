@@ -55,6 +55,12 @@ SPEEDS_EVERY = 5.0             # seconds between two publications of one backend
 # next turn, sent the moment the answer ends): that request then takes it over, no round trip on its way.
 HANDOVER = 0.005
 SAVE_TOLD_AFTER = 0.02         # seconds a save lasts before the other replicas are told of it
+# For RESTART_WINDOW seconds after Redis went down, a claim first gives it RESTART_WAIT seconds to answer again (the
+# follower tries at once): a Redis restarted by its supervisor is back within them, and no replica decides alone,
+# when two replicas deciding alone could use one slot at once (and save one conversation's cache under another's
+# name). Past the window, claims are local decisions at once.
+RESTART_WINDOW = 10.0
+RESTART_WAIT = 0.3
 SESSIONS_SHARED = 10_000       # session documents kept in Redis: past a tenth more, the oldest go
 
 # Claim: the lease (as leases._ACQUIRE does), the last token granted on this slot before, and the slot's state in the
@@ -93,6 +99,26 @@ local v = redis.call('INCR', KEYS[2])
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'ns', 'slots', 'key', ARGV[4], 'op', 'put',
            'replica', ARGV[2], 'version', v)
 redis.call('HSET', KEYS[4], ARGV[4], v .. ':' .. ARGV[5])
+return v
+"""
+
+
+# A slot's state written again after Redis lost its data (`republish`), the map's way, unless the slot is leased now
+# or Redis already has a state of a newer token (another replica's, written since: last-writer-wins would bring an
+# older belief back). KEYS: version counter, change stream, slots hash, lease. ARGV: slot name, payload, its token,
+# maxlen, replica.
+_REPUBLISH = """
+if redis.call('EXISTS', KEYS[4]) == 1 then return 0 end
+local cur = redis.call('HGET', KEYS[3], ARGV[1])
+if cur then
+  local at = string.find(cur, ':', 1, true)
+  local ok, doc = pcall(cjson.decode, string.sub(cur, (at or 0) + 1))
+  if ok and type(doc) == 'table' and tonumber(doc['token'] or 0) >= tonumber(ARGV[3]) then return 0 end
+end
+local v = redis.call('INCR', KEYS[1])
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'ns', 'slots', 'key', ARGV[1], 'op', 'put',
+           'replica', ARGV[5], 'version', v)
+redis.call('HSET', KEYS[3], ARGV[1], v .. ':' .. ARGV[2])
 return v
 """
 
@@ -182,12 +208,14 @@ class Fleet:
         self.map = SharedMap(self.client, NAMESPACES, replica, self.on_change, on_reconnect=self.republish,
                              prefix=prefix, own_applied=("slots",), gather=0.02, backoff=(0.1, 1.0))
         self._claim = self.client.register_script(_CLAIM)
+        self._republish = self.client.register_script(_REPUBLISH)
         self._release = self.client.register_script(_RELEASE)
         self._held: dict[Slot, _Held] = {}
         self._handing: dict[Slot, _Held] = {}   # given back, lease kept for HANDOVER seconds
         self._stopping = False
         self._releasing: dict[str, asyncio.Event] = {}   # slot name -> set once its release is done
         self._fences: dict[str, int] = {}        # slot name -> the highest token whose state this replica applied
+        self._granted: dict[str, int] = {}       # slot name -> the last token granted to this replica on it
         self._unpublished: set[tuple[str, str]] = set()   # (ns, key) whose write failed while Redis was down
         self._index_out: dict[str, bytes | None] = {}   # index changes not written yet (`entry_changed`)
         self._unleased: set[Slot] = set()        # slots used without a lease (Redis down), to reconcile when back
@@ -262,7 +290,7 @@ class Fleet:
         releasing = self._releasing.get(slot.name)
         if releasing is not None:   # this replica's own release of it is on its way
             await releasing.wait()
-        if self.map.down:
+        if self.map.down and not (self.map.down_for() < RESTART_WINDOW and await self.map.back_within(RESTART_WAIT)):
             self._local(slot, "redis down")
             return True
         started = time.perf_counter()
@@ -291,6 +319,7 @@ class Fleet:
         lease = Lease(slot.name, holder, token, self.ttl_ms, sent + self.ttl_ms / 1000 - drift(self.ttl_ms))
         self._learn_holding(slot, _text(before), _text(state))
         self._fences[slot.name] = token   # what any replica wrote of the slot before this grant is older than now
+        self._granted[slot.name] = token
         stop = asyncio.Event()
         held = _Held(lease, stop, pending=orjson.dumps(pending))
         held.renewals = asyncio.get_running_loop().call_later(self.ttl_ms / 3000, self._start_keeper, slot.name, held)
@@ -650,7 +679,9 @@ class Fleet:
     async def republish(self, lost: bool) -> None:
         """Redis answers again: write what failed meanwhile; when it lost its data, everything this replica knows
         first-hand (the index entries it has meta files of, the slots it last held, its sessions). The slots it
-        used without a lease meanwhile are reconciled (`_reconcile`; one still in use, once it is given back)."""
+        used without a lease meanwhile are reconciled (`_reconcile`; one still in use, once it is given back).
+        A slot's state is written again only by the replica its last known grant went to, and only over an older
+        one (`_REPUBLISH`): a replica that comes back late must not bring back what it believed before."""
         for slot in list(self._unleased):
             if not slot.busy and slot.name not in self._releasing:
                 self._reconcile(slot)
@@ -659,10 +690,18 @@ class Fleet:
                 await self.map.put("index", key, document)
             for slot in self.pool.slots:
                 if slot.content is not None and not slot.busy and slot.elsewhere is None \
-                        and slot.name not in self._releasing:   # given back, or reconciled, as it writes
-                    payload = orjson.dumps({"token": self._fences.get(slot.name, 0), "replica": self.replica,
+                        and slot.name not in self._releasing \
+                        and self._granted.get(slot.name, -1) == self._fences.get(slot.name):   # its own, as it left it
+                    token = self._fences.get(slot.name, 0)
+                    payload = orjson.dumps({"token": token, "replica": self.replica,
                                             "content": content_doc(slot.content)})
-                    await self.map.put("slots", slot.name, payload)
+                    counter, stream, table = self.map.keys_of("slots")
+                    try:
+                        async with self._bounded():
+                            await self._republish(keys=[counter, stream, table, PREFIX + slot.name],
+                                                  args=[slot.name, payload, token, self.map.maxlen, self.replica])
+                    except (RedisError, OSError) as e:
+                        raise SharedStoreDown(f"Redis did not take a slot's state again: {e!r}") from e
             for info in self.sessions.all_owners():
                 if info.saved_chain:
                     self.session_saved(info)

@@ -250,7 +250,12 @@ class Saver:
     async def save_held(self, backend: Backend, slot: Slot, held: Content, record: RequestRecord | None) -> bool:
         """Save the slot's unsaved cache under its own name (it is about to be replaced); False when it failed."""
         model = RouterModels.slot_model(backend, held.model)
-        if not await swap.wait_idle(backend.client, slot.id, model):
+        idle, tokens = await swap.idle_tokens(backend.client, slot.id, model)
+        if not idle:
+            return False
+        if not swap.holds(backend.client, slot.id, held, tokens):
+            if slot.content is held:
+                slot.content = None
             return False
         try:
             renamed = await self.file_name(backend, held)

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
@@ -100,6 +101,9 @@ class SharedMap:
         self._script = client.register_script(_WRITE)
         self._lock = asyncio.Lock()   # one at a time: a write, applying a batch, a reload (no interleaved reads)
         self._stop = asyncio.Event()
+        self._wake = asyncio.Event()      # cuts the backoff after a failure short (`stop`, `back_within`)
+        self._up = asyncio.Event()        # set while Redis answers (not `down`)
+        self._down_at = 0.0               # when it went down (monotonic)
         self._task: asyncio.Task[None] | None = None
         self._epoch: bytes | None = None   # a random token Redis keeps: another one means another data set
         self._position = "0-0"             # the last stream entry applied ...
@@ -122,6 +126,21 @@ class SharedMap:
         """Redis failed since the last load and has not answered since: writes fail at once (`healthy` is also
         False while a reload runs, with Redis answering)."""
         return self._down
+
+    def down_for(self) -> float:
+        """Seconds since Redis went down (0 while it answers)."""
+        return time.monotonic() - self._down_at if self._down else 0.0
+
+    async def back_within(self, seconds: float) -> bool:
+        """Whether Redis answers again within `seconds`: the follower tries it at once (not at the end of its
+        backoff). A Redis restarted by its supervisor is back in a fraction of a second; a replica that decided
+        alone meanwhile could hand a slot another replica uses."""
+        if not self._down:
+            return True
+        self._wake.set()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._up.wait(), seconds)
+        return not self._down
 
     def keys_of(self, ns: str) -> tuple[str, str, str]:
         """(version counter, change stream, the namespace's hash): for a script of another module that writes a
@@ -193,6 +212,7 @@ class SharedMap:
 
     async def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -218,14 +238,17 @@ class SharedMap:
             else:
                 continue
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), delay)   # backoff, cut short by stop()
+                await asyncio.wait_for(self._wake.wait(), delay)   # backoff, cut short by stop() or back_within()
+            self._wake.clear()
             delay = min(delay * 2, self.backoff[1])
 
     def _went_down(self, e: BaseException) -> None:
         if not self._down:
             log.warning("shared_map_down reason=%r: serving the local mirror (%d keys), writes fail until Redis is "
                         "back", e, sum(map(len, self._data.values())))
+            self._down_at = time.monotonic()
         self._down, self.healthy, self._load_needed = True, False, True
+        self._up.clear()
         self._unpublished |= self._epoch is None   # never loaded: nothing this replica owns is in Redis
 
     async def _follow(self) -> None:
@@ -331,6 +354,7 @@ class SharedMap:
             log.warning("shared_map_lost: Redis lost data this replica knew of; each replica writes again what it owns")
         lost = lost_data or self._unpublished
         back, self._down, self._unpublished = self._down, False, lost
+        self._up.set()
         if self.on_reconnect is not None and (back or lost):
             try:
                 await self.on_reconnect(lost)

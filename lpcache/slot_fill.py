@@ -250,12 +250,16 @@ class SlotFiller:
                      time.perf_counter() - started)
         if homes and choice.slot.backend not in homes:
             budget = self.budget(prompt)
-            log.info("session_away file=%s slot=%s homes=%s plan=%s waited=%s home_slots=%s: the session's file is "
-                     "not on this server; its prompt is computed", session, choice.slot.name, sorted(homes),
+            log.info("session_away file=%s slot=%s homes=%s plan=%s waited=%s home_slots=%s speeds=%s: the session's "
+                     "file is not on this server; its prompt is computed", session, choice.slot.name, sorted(homes),
                      None if plan is None else round(plan.seconds, 2), planned,
                      ",".join(f"{s.name}:{'busy' if s.busy else 'elsewhere' if s.taken else 'idle'}/{s.phase or '-'}"
-                              f"/budget={budget(s, len(prompt.exact), False):.2f}"
-                              for s in self.pool.slots if s.backend in homes))
+                              f"/budget={budget(s, len(prompt.exact), False):.2f}/answer={s.answer_tokens}"
+                              f"/free_in={None if s.free_at is None else round(s.free_at - time.monotonic(), 2)}"
+                              for s in self.pool.slots if s.backend in homes),
+                     ";".join(f"{h}:" + ",".join(f"{k.split('_')[0]}={v:.2f}" for k, v in self.speeds.of(
+                         h, RouterModels.served(self.backends[h], prompt.model)).describe().items() if v is not None)
+                              for h in sorted(homes)))
         self.saver.cancel_idle_save(choice.slot)
         choice.slot.pending = want or Content(prompt.key, prompt.exact)
         choice.slot.phase, choice.slot.free_at = "prefill", None

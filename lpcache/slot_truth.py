@@ -20,11 +20,11 @@ from . import swap
 from .backends import Backend
 from .errors import ProxyError
 from .slots import SlotPool
+from .swap import TOKEN_SLACK
 
 log = logging.getLogger("lpcache.slot_truth")
 
 SLOTS_TRUSTED_FOR = 1.0  # seconds after a backend's last answer during which what its slots hold is not re-checked
-TOKEN_SLACK = 2          # n_prompt_tokens may differ this much from lpcache's count (the last generated token)
 
 
 class SlotTruth:

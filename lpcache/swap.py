@@ -29,6 +29,7 @@ log = logging.getLogger("lpcache.swap")
 
 IDLE_WAIT_SECONDS = 30.0   # how long a slot action waits for a slot busy with a request lpcache did not send
 IDLE_POLL_SECONDS = 0.25
+TOKEN_SLACK = 2            # n_prompt_tokens may differ this much from lpcache's count (the last generated token)
 
 
 class Folders:
@@ -76,12 +77,39 @@ def describe(result: SlotAction) -> str:
 async def wait_idle(client: LlamaClient, slot: int, model: str | None = None,
                     limit: float | None = None) -> bool:
     """Wait (bounded) until the server says the slot processes nothing. False when it stayed busy."""
+    return (await idle_tokens(client, slot, model, limit))[0]
+
+
+async def idle_tokens(client: LlamaClient, slot: int, model: str | None = None,
+                      limit: float | None = None) -> tuple[bool, int | None]:
+    """Wait (bounded) until the server says the slot processes nothing: (False when it stayed busy, the tokens the
+    server says the slot holds then, `n_prompt_tokens`, or None when it does not tell)."""
     deadline = time.monotonic() + (IDLE_WAIT_SECONDS if limit is None else limit)
-    while await client.slot_busy(slot, model):
+    while True:
+        try:
+            slots = await client.slots(model)
+        except ProxyError:
+            return True, None   # the server does not tell: act at once
+        entry = next((s for s in slots or () if s.get("id") == slot), None)
+        if entry is None or not entry.get("is_processing"):
+            n = entry.get("n_prompt_tokens") if entry is not None else None
+            return True, n if isinstance(n, int) and not isinstance(n, bool) else None
         if time.monotonic() >= deadline:
-            return False
+            return False, None
         await asyncio.sleep(IDLE_POLL_SECONDS)
-    return True
+
+
+def holds(client: LlamaClient, slot: int, content: Content, tokens: int | None) -> bool:
+    """Whether a slot the server says holds `tokens` tokens can hold `content` (when either count is unknown, it
+    cannot tell: yes). A cache is saved under its name only then: saving what another request left in the slot
+    (a replica that decided alone while Redis was down, a client that pinned it) would put another conversation
+    into that file."""
+    if tokens is None or content.tokens is None or abs(tokens - content.tokens) <= TOKEN_SLACK:
+        return True
+    log.warning("save_skipped_not_held url=%s slot=%d file=%s tokens=%d believed=%d: the slot holds something else "
+                "than lpcache believed; nothing is saved under that name", client.url, slot, content.key, tokens,
+                content.tokens)
+    return False
 
 
 async def restore_file(client: LlamaClient, slot: int, name: str, model: str | None = None) -> SlotAction:
@@ -145,13 +173,15 @@ async def bring_in(client: LlamaClient, slot: int, held: Content | None, want: C
         swap.skipped = "resident"
         return swap
     started = time.perf_counter()
-    idle = await wait_idle(client, slot, model, idle_limit)
+    idle, tokens = await idle_tokens(client, slot, model, idle_limit)
     swap.waited_ms = (time.perf_counter() - started) * 1000.0
     if not idle:
         log.warning("slot_busy url=%s slot=%d: the slot stayed busy with a request lpcache did not send; no swap "
                     "for %s (its prompt is read again)", client.url, slot, want.key)
         swap.skipped = "busy"
         return swap
+    if held is not None and held.dirty and not holds(client, slot, held, tokens):
+        swap.held = held = None
     if held is not None and held.dirty:
         swap.saved, swap.deleted = await save(client, slot, held, folders, model, frozenset({want.key}))
         if swap.saved.ok:

@@ -736,3 +736,37 @@ def test_with_redis_no_cache_waits_unsaved_in_a_slot_another_replica_may_replace
     assert a.post(body).status_code == 200
     a.wait_finished(4)
     assert a.records[-1].restored and a.records[-1].cache_hit, a.records[-1]
+
+
+async def test_a_slot_state_written_after_redis_lost_its_data_is_never_an_older_one(
+        redis_server: RedisServer, tmp_path: Any) -> None:
+    """A Redis restarted empty is filled again by the replicas (`republish`): a slot's state by the replica its last
+    grant went to, and never over a newer state another replica wrote since (last-writer-wins would bring the older
+    belief back, and every replica would keep believing what the slot held before). Tokens keep growing across the
+    loss (the counter has a clock floor), and the new state is what both replicas believe."""
+    from lpcache.slots import Content
+
+    a, b = await _fleets(redis_server, tmp_path, 2)
+    try:
+        slot_a, slot_b = a.pool.slots[0], b.pool.slots[0]
+        for i in range(5):   # tokens move on
+            slot_a.busy = True
+            assert await a.claim(slot_a)
+            slot_a.content = Content(f"{i}" * 64, (i,), saved=True, model="m", tokens=10 + i)
+            a.pool.release(slot_a, True)
+            assert await _wait_for(lambda: slot_a.name not in a._releasing and slot_a.name not in a._handing
+                                   and slot_b.content is not None and slot_b.content.key == f"{i}" * 64)
+        seen = max(a._fences[slot_a.name], b._fences[slot_b.name])
+        redis_server.kill()
+        redis_server.restart()
+        assert await _wait_for(lambda: a.healthy and b.healthy, 20)
+        slot_b.busy = True
+        assert await b.claim(slot_b)
+        assert b._fences[slot_b.name] > seen, (b._fences, seen)
+        slot_b.content = Content("e" * 64, (9,), saved=True, model="m", tokens=40)
+        b.pool.release(slot_b, True)
+        assert await _wait_for(lambda: slot_a.content is not None and slot_a.content.key == "e" * 64), \
+            "the other replica takes the new state (a late republish of the older one must not win)"
+    finally:
+        await a.stop()
+        await b.stop()

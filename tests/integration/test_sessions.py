@@ -321,7 +321,10 @@ def test_failed_restore_only_costs_a_prefill(start_proxy: Any, one_slot: Any, sl
     assert proxy.busy_slots() == []
 
 
-def test_slot_busy_with_a_foreign_request_is_waited_for(start_proxy: Any, start_backend: Any) -> None:
+def test_slot_busy_with_a_foreign_request_is_waited_for(start_proxy: Any, start_backend: Any, caplog: Any) -> None:
+    """A client pins slot 0 directly (not through lpcache) while it holds session S1's unsaved cache: the swap for S2
+    waits until the slot is idle, and then does not save the slot under S1's name: it holds the foreign request's
+    tokens now, and S1's file would get another conversation."""
     backend = start_backend(slots=1, gen_ms_per_token=20)
     proxy = start_proxy(backend)
     proxy.push(user(words(1, SMALL)), sid(S1))
@@ -336,11 +339,12 @@ def test_slot_busy_with_a_foreign_request_is_waited_for(start_proxy: Any, start_
     thread = threading.Thread(target=foreign)
     thread.start()
     _until(lambda: any(s.get("is_processing") for s in httpx.get(f"{backend.url}/slots").json()))
-    r = proxy.push(user(words(2, SMALL)), sid(S2))        # a swap: save S1 (changed, small), then S2's request
+    r = proxy.push(user(words(2, SMALL)), sid(S2))        # a swap: S1 changed (small) would be saved, then S2's
     thread.join()
     assert r.status_code == 200 and done.is_set()
-    assert proxy.records[-1].swap_saved is True
-    assert mock_stats(backend)["slot_actions_while_busy"] == 0   # the save was sent only once the slot was idle
+    assert proxy.records[-1].swap_saved is None, "the slot holds the foreign request's cache, not S1's"
+    assert any("save_skipped_not_held" in m and S1 in m for m in caplog.messages), caplog.messages
+    assert mock_stats(backend)["slot_actions_while_busy"] == 0   # nothing was sent while the slot was busy
 
 
 def _until(condition: Any, timeout: float = 10.0) -> None:
