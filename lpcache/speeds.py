@@ -13,6 +13,7 @@ per token seen on this backend (canonical text is JSON-escaped: a little longer 
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -22,18 +23,29 @@ ALPHA = 0.3             # weight of the newest measurement
 MIN_TOKENS = 32         # measurements over fewer tokens are mostly fixed costs: not used ...
 MIN_DECODED = 4         # ... but a decode step per token has none to speak of: short answers teach generation
 MARGIN = 1.0            # restore when its time is below MARGIN x the prefill time it saves
+RECENT = 16             # measures a quantile rate is taken from
+DECODE_QUANTILE = 0.25  # the generation rate: this quantile of the recent measures
 CHARS_PER_TOKEN = 4.0   # until measured
 
 
 @dataclass
 class Rate:
+    """A cost per token: the EWMA of the measures, or with `quantile`, that quantile of the RECENT last ones."""
+
     ms_per_token: float | None = None
     min_tokens: int = MIN_TOKENS
+    quantile: float | None = None
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
 
     def add(self, ms: float, tokens: int) -> None:
         if tokens < self.min_tokens or ms <= 0:   # a stand-in reporting 0 ms says nothing
             return
         value = ms / tokens
+        if self.quantile is not None:
+            self.recent.append(value)
+            ranked = sorted(self.recent)
+            self.ms_per_token = ranked[min(len(ranked) - 1, int(self.quantile * len(ranked)))]
+            return
         self.ms_per_token = value if self.ms_per_token is None else (1 - ALPHA) * self.ms_per_token + ALPHA * value
 
     def seconds(self, tokens: float) -> float | None:
@@ -46,7 +58,10 @@ class Speeds:
 
     prefill: Rate = field(default_factory=Rate)
     restore: Rate = field(default_factory=Rate)
-    generate: Rate = field(default_factory=lambda: Rate(min_tokens=MIN_DECODED))
+    # A short answer's decode steps wait for whatever the server computes beside it (another slot's prefill, on
+    # a CPU many times the answer itself): those measures say nothing of a slot's next answer. A low quantile of
+    # the recent ones is what a decode step costs; a wait planned on it is capped by the prefill it spares anyway.
+    generate: Rate = field(default_factory=lambda: Rate(min_tokens=MIN_DECODED, quantile=DECODE_QUANTILE))
     save: Rate = field(default_factory=Rate)
     chars_per_token: float | None = None
 

@@ -28,3 +28,20 @@ def test_rates_are_weighted_and_ignore_tiny_or_empty_measurements() -> None:
     r.add(100.0, 100)
     r.add(300.0, 100)
     assert r.ms_per_token is not None and 1.0 < r.ms_per_token < 3.0
+
+
+def test_the_generation_rate_is_not_taken_from_answers_that_waited_for_another_slot_s_prefill() -> None:
+    """Eight-token answers on a 2-core server: most decode at about 40 ms a token, but those whose steps waited
+    for another slot's 400-token prefill show 600 ms and more. The rate a wait is planned on is a decode step's
+    cost, not the average of both (which made a session compute its whole prompt on another server rather than
+    wait a fraction of a second for its own)."""
+    s = Speeds.new()
+    for i, ms_per_token in enumerate([40, 38, 650, 42, 2100, 41, 39, 700, 44, 40]):
+        s.generate.add(ms_per_token * 8.0, 8)
+        if i == 4:
+            assert s.generate.ms_per_token is not None and s.generate.ms_per_token < 100
+    assert s.generate.ms_per_token is not None and 38 <= s.generate.ms_per_token <= 44
+    assert s.prefill.quantile is None, "prefill, restore and save keep their EWMA"
+    for _ in range(20):   # a server that really got slower: the rate follows within the recent measures
+        s.generate.add(300.0 * 8, 8)
+    assert s.generate.ms_per_token == 300.0
