@@ -754,8 +754,9 @@ async def test_a_slot_state_written_after_redis_lost_its_data_is_never_an_older_
             assert await a.claim(slot_a)
             slot_a.content = Content(f"{i}" * 64, (i,), saved=True, model="m", tokens=10 + i)
             a.pool.release(slot_a, True)
-            assert await _wait_for(lambda: slot_a.name not in a._releasing and slot_a.name not in a._handing
-                                   and slot_b.content is not None and slot_b.content.key == f"{i}" * 64)
+            key = f"{i}" * 64
+            assert await _wait_for(lambda key=key: slot_a.name not in a._releasing and slot_a.name not in a._handing
+                                   and slot_b.content is not None and slot_b.content.key == key)
         seen = max(a._fences[slot_a.name], b._fences[slot_b.name])
         redis_server.kill()
         redis_server.restart()
