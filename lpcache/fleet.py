@@ -92,15 +92,21 @@ return {text, before, state}
 # Release (ARGV[6] "1"), or a new phase of the holder's work ("0"): only while the lease is this one's, write the
 # slot's state the shared map's way (and delete the lease). KEYS: lease, version counter, change stream, slots hash.
 # ARGV: lease value, replica, maxlen, slot name, payload, release.
+# A slot's state written the shared map's way (its version, the change stream, the hash), from the locals counter,
+# stream, slots, name, payload, maxlen and replica: one fragment for the scripts below.
+PUT_STATE = """
+local v = redis.call('INCR', counter)
+redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'ns', 'slots', 'key', name, 'op', 'put',
+           'replica', replica, 'version', v)
+redis.call('HSET', slots, name, v .. ':' .. payload)
+return v
+"""
 _RELEASE = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 if ARGV[6] == '1' then redis.call('DEL', KEYS[1]) end
-local v = redis.call('INCR', KEYS[2])
-redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'ns', 'slots', 'key', ARGV[4], 'op', 'put',
-           'replica', ARGV[2], 'version', v)
-redis.call('HSET', KEYS[4], ARGV[4], v .. ':' .. ARGV[5])
-return v
-"""
+local counter, stream, slots, name, payload, maxlen, replica = KEYS[2], KEYS[3], KEYS[4], ARGV[4], ARGV[5], ARGV[3],
+  ARGV[2]
+""" + PUT_STATE
 
 
 # A slot's state written again after Redis lost its data (`republish`), the map's way, unless the slot is leased now
@@ -115,12 +121,9 @@ if cur then
   local ok, doc = pcall(cjson.decode, string.sub(cur, (at or 0) + 1))
   if ok and type(doc) == 'table' and tonumber(doc['token'] or 0) >= tonumber(ARGV[3]) then return 0 end
 end
-local v = redis.call('INCR', KEYS[1])
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'ns', 'slots', 'key', ARGV[1], 'op', 'put',
-           'replica', ARGV[5], 'version', v)
-redis.call('HSET', KEYS[3], ARGV[1], v .. ':' .. ARGV[2])
-return v
-"""
+local counter, stream, slots, name, payload, maxlen, replica = KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], ARGV[4],
+  ARGV[5]
+""" + PUT_STATE
 
 
 def content_doc(content: Content | None) -> dict[str, Any] | None:

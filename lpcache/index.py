@@ -611,12 +611,12 @@ class MetaIndex:
 
     # ---- internals ----
 
-    def _redundant(self, new: MetaEntry) -> list[MetaEntry]:
+    def _redundant(self, new: MetaEntry, in_use: Collection[str] | None = None) -> list[MetaEntry]:
         if new.foreign:
             return []
         ends = self._ends.get(new.fingerprint or "", {})
         found = []
-        in_use = self.files_in_use()
+        in_use = self.files_in_use() if in_use is None else in_use
         for digest in new.exact:
             holders = ends.get(digest)
             if holders is None:
@@ -636,15 +636,15 @@ class MetaIndex:
         of the files already saved, and counted as one entry more when it does not fit."""
         count, size = self._limits()
         new = key not in self._entries
-        size_guess = self._bytes_per_token() * (tokens or 0)
+        size_guess = self._bytes_per_token() * (tokens or 0) if size > 0 else 0.0
         over_count = count > 0 and len(self._entries) + new > count
         over_bytes = size > 0 and size_guess > 0 and self._usage.total_bytes + size_guess > size
         if not (over_count or over_bytes):
             return 0
         entry = MetaEntry(key, prompt.model, self.wpb, prompt.chain, 0.0, prompt.n_words, backend, slot_save_path,
                           prompt.exact, fingerprint)
-        redundant = self._redundant(entry)
         in_use = self.files_in_use()
+        redundant = self._redundant(entry, in_use)
         gone = {r.key for r in redundant} | ({c.key for c in self._continued(entry, redundant)}
                                             | self._moved_on.keys()) - in_use
         gone = (gone & self._entries.keys()) - {key}

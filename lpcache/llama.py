@@ -264,15 +264,6 @@ class LlamaClient:
             return None
         return [s for s in listing if isinstance(s, dict)]
 
-    async def slot_busy(self, slot: int, model: str | None = None) -> bool:
-        """Whether the slot is processing a request (GET /slots, is_processing). False when the server does not
-        tell (no /slots endpoint, an error): the caller then acts at once. On a router, never loads the model."""
-        try:
-            slots = await self.slots(model)
-        except (BackendUnreachable, BackendError):
-            return False
-        return slots is not None and any(s.get("id") == slot and bool(s.get("is_processing")) for s in slots)
-
     async def props(self, model: str | None = None) -> dict[str, Any]:
         """GET /props (of one model's instance on a router, without loading it). Raises BackendUnreachable or
         BackendError."""

@@ -157,13 +157,13 @@ class Saver:
             content = self.content_after(backend, prompt, big, record, want, prefilled, held_blocks)
             if content is not None and prefilled:
                 self.server_caches.held(backend.index, content.chain)
-            if (content is not None and content.keep and big and self.settings.save_policy == "eager"
-                    and want is None and self.enabled(backend, prompt.model) and self.save_later(backend, content)):
+            eager = (content is not None and content.keep and big and self.settings.save_policy == "eager"
+                     and self.enabled(backend, prompt.model))
+            if eager and want is None and content is not None and self.save_later(backend, content):
                 log.info("save_deferred key=%s slot=%s: META_MAX is reached and only the file of a cache an idle "
                          "slot holds could go (saved again when that slot is needed); this one is saved then instead",
                          content.key[:16], choice.slot.name)
-            elif (content is not None and content.keep and big and self.settings.save_policy == "eager"
-                    and self.enabled(backend, prompt.model) and self.pool.ours(choice.slot)):
+            elif eager and content is not None and self.pool.ours(choice.slot):
                 choice.slot.phase = "save"
                 if self.pool.claims is not None:
                     self.pool.claims.saving(choice.slot)
