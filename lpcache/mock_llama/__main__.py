@@ -29,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--n-ctx", type=int, default=8192, help="context per slot, in tokens (default 8192)")
     parser.add_argument("--prefill-ms-per-token", type=float, default=0.0, help="simulated prefill time per token")
     parser.add_argument("--gen-ms-per-token", type=float, default=0.0, help="simulated time per generated token")
+    parser.add_argument("--kv-bytes-per-token", type=int, default=0,
+                        help="slot files padded to this many bytes per token, as a real model's KV cache (default 0)")
     parser.add_argument("--max-tokens-default", type=int, default=16, help="answer length without max_tokens")
     parser.add_argument("--api-key", default=None, help="require this key (comma-separated list allowed)")
     parser.add_argument("--swa", action="store_true",
@@ -64,6 +66,7 @@ def config_from(args: argparse.Namespace) -> MockConfig:
         n_ctx=args.n_ctx,
         prefill_ms_per_token=args.prefill_ms_per_token,
         gen_ms_per_token=args.gen_ms_per_token,
+        kv_bytes_per_token=args.kv_bytes_per_token,
         max_tokens_default=args.max_tokens_default,
         api_key=args.api_key,
         swa=args.swa,

@@ -29,6 +29,9 @@ class MockConfig:
     n_ctx: int = 8192
     prefill_ms_per_token: float = 0.0
     gen_ms_per_token: float = 0.0
+    # A slot file's size per token, as a real model's KV cache weighs (SmolLM2-135M: about 23 KB; a 7B model's
+    # f16 cache: about 0.5 MB): the files are padded to it, so a save and a restore cost real disk time. 0: tiny files.
+    kv_bytes_per_token: int = 0
     max_tokens_default: int = 16
     api_key: str | None = None  # comma-separated list accepted, like --api-key
     # Imitate a sliding-window model without --swa-full: a restored slot is never reused (the server re-computes
@@ -55,6 +58,8 @@ class MockConfig:
             raise ValueError(f"slots must be at least 1, got {self.slots}")
         if self.n_ctx < 1:
             raise ValueError(f"n_ctx must be at least 1, got {self.n_ctx}")
+        if self.kv_bytes_per_token < 0:
+            raise ValueError(f"kv_bytes_per_token must not be negative, got {self.kv_bytes_per_token}")
         if self.prefill_ms_per_token < 0 or self.gen_ms_per_token < 0:
             raise ValueError("per-token latencies must not be negative")
         if self.max_tokens_default < 0:

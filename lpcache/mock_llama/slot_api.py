@@ -1,8 +1,8 @@
 """``GET /slots`` and ``POST /slots/{id}?action=save|restore|erase``, checked in the real order.
 
 A slot action waits for its slot like any task, so a save sent during a stream runs
-when the stream ends and captures the generated tokens. The files are tiny, so they
-are written inline.
+when the stream ends and captures the generated tokens. The files are written inline:
+tiny, unless ``kv_bytes_per_token`` gives them a real cache's weight.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def save(state: MockState, slot: Slot, filename: str) -> Response:
     if status is not None:
         state.stats.save_failures += 1
         return error_response(status, "Unable to save slot")
-    data = slotfile.encode(slot.tokens)
+    data = slotfile.encode(slot.tokens, state.config.kv_bytes_per_token * len(slot.tokens))
     try:
         with open(_path(state, filename), "wb") as f:  # in place, not atomic, like llama.cpp
             f.write(data)

@@ -3,7 +3,8 @@
 The filename rule follows llama.cpp's ``fs_validate_filename`` (no subdirectories), so
 a proxy that passes the stand-in also passes the real server. The file format is the
 stand-in's own: the real magic ``GGSQ`` and a version, then the cached token pieces as
-JSON (pieces, not ids, so a file stays readable after a restart).
+JSON (pieces, not ids, so a file stays readable after a restart), padded with spaces to a real cache's size when
+asked (``kv_bytes_per_token``).
 """
 
 from __future__ import annotations
@@ -40,9 +41,11 @@ def is_valid_filename(name: str) -> bool:
     return len(name.encode("utf-8")) <= 255
 
 
-def encode(tokens: Sequence[str]) -> bytes:
-    """The bytes of a save file holding ``tokens``."""
-    return _HEADER.pack(MAGIC, VERSION) + orjson.dumps(list(tokens))
+def encode(tokens: Sequence[str], size: int = 0) -> bytes:
+    """The bytes of a save file holding ``tokens``, padded with JSON whitespace to ``size`` bytes (a real model's
+    KV cache weighs that much)."""
+    data = _HEADER.pack(MAGIC, VERSION) + orjson.dumps(list(tokens))
+    return data + b" " * (size - len(data)) if size > len(data) else data
 
 
 def decode(data: bytes) -> list[str]:
