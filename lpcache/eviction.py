@@ -33,6 +33,12 @@ A conversation's next turn is saved as a new file that makes the previous turn's
 over the old one's history (`Usage.inherit`, `UsageTable.add(..., supersedes=...)`), otherwise every file would
 look new. The caller notes the request's use on the old entry (`use(t)`, restored or not) before the new save.
 
+Value. A file of a model whose prefill is slow spares more per byte than one of a model whose prefill is quick (or
+whose cache weighs more per token): each entry may carry its `worth`, the prefill milliseconds it spares per byte
+(`worth.Worth`, from the speeds of the backend that saved it). The time until an entry's predicted use is divided by
+its worth relative to the typical one (the median of the recent entries' worths): an entry worth twice as much
+counts as needed twice as soon. Entries of equal worth (one model, the common case) keep the order above.
+
 Cost. `victims(entries, ...)` ranks every entry: O(n log n) (the median interval; O(n) for the ranking itself)
 plus O(k log n) for k deletions: 50 to 90 ms at 100,000 entries in CPython, too slow for every save. `UsageTable`
 keeps the entries in last-use order, their total size, lazy heaps of `last_use + interval` and of the hashes of
@@ -79,6 +85,7 @@ class Usage:
     last_use: float = 0.0
     interval: float | None = None
     uses: int = 1
+    worth: float = 0.0   # prefill ms the file spares per byte (0: unknown, counted as the typical worth)
 
     def use(self, t: float, alpha: float = ALPHA) -> None:
         """A use at time `t` (a restore, or a request that continued it without one). A use at or before the last
@@ -94,6 +101,7 @@ class Usage:
         request's use is expected to have been noted on `old` already; the save itself adds none."""
         if old.interval is not None and (self.interval is None or old.uses >= self.uses):
             self.interval = old.interval
+        self.worth = self.worth or old.worth
         self.uses = max(self.uses, old.uses)
         self.last_use = max(self.last_use, old.last_use)
 
@@ -112,6 +120,20 @@ class Usage:
         return now + typical * (1.0 + key_hash(self.key))
 
 
+def ranked(usage: Usage, now: float, typical: float | None, worth: float | None) -> float:
+    """The predicted next use, brought nearer for an entry worth more per byte than the typical one (`worth`), put
+    further for one worth less."""
+    predicted = usage.predicted(now, typical)
+    if typical is None or not worth or not usage.worth or usage.worth == worth:
+        return predicted
+    return now + (predicted - now) * worth / usage.worth
+
+
+def typical_worth(entries: Iterable[Usage]) -> float | None:
+    known = [u.worth for u in entries if u.worth > 0]
+    return statistics.median(known) if known else None
+
+
 def typical_interval(entries: Iterable[Usage]) -> float | None:
     """The median of the known intervals, None when no entry has one."""
     known = [u.interval for u in entries if u.interval is not None]
@@ -123,7 +145,7 @@ def victims(entries: Iterable[Usage], now: float, max_count: int, max_bytes: int
     """The keys to delete, furthest predicted use first, so that at most `max_count` entries and `max_bytes` bytes
     remain (0 = no limit); never a key in `keep`. Ranks every entry: O(n log n) (UsageTable.victims is cheap)."""
     entries = list(entries)
-    return _victims(entries, now, max_count, max_bytes, keep, typical_interval(entries))
+    return _victims(entries, now, max_count, max_bytes, keep, typical_interval(entries), typical_worth(entries))
 
 
 def lru_victims(entries: Iterable[Usage], now: float, max_count: int, max_bytes: int,
@@ -136,11 +158,13 @@ def lru_victims(entries: Iterable[Usage], now: float, max_count: int, max_bytes:
 
 
 def _victims(entries: Iterable[Usage], now: float, max_count: int, max_bytes: int, keep: Collection[str],
-             typical: float | None, count: int | None = None, total: int | None = None) -> list[str]:
+             typical: float | None, worth: float | None = None, count: int | None = None,
+             total: int | None = None) -> list[str]:
     entries = list(entries)
     count = len(entries) if count is None else count
     total = sum(u.size for u in entries) if total is None else total
-    return _select(entries, lambda u: (-u.predicted(now, typical), u.key), count, total, max_count, max_bytes, keep)
+    return _select(entries, lambda u: (-ranked(u, now, typical, worth), u.key), count, total, max_count, max_bytes,
+                   keep)
 
 
 def _over(count: int, total: int, max_count: int, max_bytes: int) -> bool:
@@ -183,6 +207,7 @@ class UsageTable:
         self._due: list[tuple[float, str]] = []  # (-(last_use + interval), key); stale items dropped when met
         self._once: list[tuple[float, str]] = []  # (-key_hash(key), key) of entries without an interval
         self._recent: deque[float] = deque(maxlen=TYPICAL_WINDOW)
+        self._worths: deque[float] = deque(maxlen=TYPICAL_WINDOW)   # the recent entries' worths (the typical one)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -200,12 +225,17 @@ class UsageTable:
     def typical(self) -> float | None:
         return statistics.median(self._recent) if self._recent else None
 
+    def typical_worth(self) -> float | None:
+        return statistics.median(self._worths) if self._worths else None
+
     def add(self, key: str, size: int, t: float, supersedes: Iterable[str] = (),
-            history: Iterable[Usage] = ()) -> Usage:
-        """A cache saved at `t`; it takes over the history of the entries it makes redundant (and of an earlier
-        save under the same key), which leave the table, and of `history` (records of entries deleted earlier
-        whose conversation it continues)."""
-        usage = Usage(key, max(0, size), t)
+            history: Iterable[Usage] = (), worth: float = 0.0) -> Usage:
+        """A cache saved at `t`, sparing `worth` ms of prefill per byte (0: unknown); it takes over the history of
+        the entries it makes redundant (and of an earlier save under the same key), which leave the table, and of
+        `history` (records of entries deleted earlier whose conversation it continues)."""
+        usage = Usage(key, max(0, size), t, worth=max(0.0, worth))
+        if usage.worth:
+            self._worths.append(usage.worth)
         for past in history:
             usage.inherit(past)
         for old_key in (key, *supersedes):
@@ -261,11 +291,13 @@ class UsageTable:
             candidates.setdefault(usage.key, usage)
         for usage in self._top(self._once, self._is_once, keep):
             candidates.setdefault(usage.key, usage)
-        chosen = _victims(candidates.values(), now, max_count, max_bytes, keep, typical, count, total)
+        worth = self.typical_worth()
+        chosen = _victims(candidates.values(), now, max_count, max_bytes, keep, typical, worth, count, total)
         if len(chosen) == len(candidates) < count:
             freed = sum(candidates[k].size for k in chosen)
             if _over(count - len(chosen), total - freed, max_count, max_bytes):  # not enough: rank everything
-                chosen = _victims(self._entries.values(), now, max_count, max_bytes, keep, typical, count, total)
+                chosen = _victims(self._entries.values(), now, max_count, max_bytes, keep, typical, worth, count,
+                                  total)
         return chosen
 
     def _changed(self, usage: Usage) -> None:

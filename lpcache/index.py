@@ -453,10 +453,12 @@ class MetaIndex:
     # ---- changes ----
 
     async def add(self, prompt: Prompt, key: str, backend: str | None, slot_save_path: str | None,
-                  fingerprint: str | None, n_tokens: int | None = None, size: int | None = None) -> list[MetaEntry]:
+                  fingerprint: str | None, n_tokens: int | None = None, size: int | None = None,
+                  worth: float | None = None) -> list[MetaEntry]:
         """Record a cache just saved as the file `key`: write its meta file, drop the entries it makes redundant
         (their identity chain is a prefix of its own, same model and folder; their history of uses carries over),
-        then prune beyond the limits. Returns what was removed."""
+        then prune beyond the limits, the ones least likely to be needed soon for what they spare first (`worth`:
+        prefill ms spared per byte, see `eviction`). Returns what was removed."""
         if slot_save_path:
             self._folders.add(slot_save_path)
         now = time.time()
@@ -468,7 +470,7 @@ class MetaIndex:
         removed = self._redundant(entry)
         continued = self._continued(entry, removed)
         history = [*self._ghost_of(entry, now), *(u for c in continued if (u := self._usage.get(c.key)) is not None)]
-        self._insert(entry, [r.key for r in removed], history)   # it takes over their history
+        self._insert(entry, [r.key for r in removed], history, worth or 0.0)   # it takes over their history
         self._saving.discard(key)
         for r in removed:
             self._remove(r)
@@ -791,13 +793,13 @@ class MetaIndex:
         return self._words.setdefault(entry.model, {}), entry.chain
 
     def _insert(self, entry: MetaEntry, supersedes: Sequence[str] | None = None,
-                history: Sequence[Usage] = ()) -> None:
+                history: Sequence[Usage] = (), worth: float = 0.0) -> None:
         """Index an entry; `supersedes` None: read back at start (its history is in its meta file)."""
         self._entries[entry.key] = entry
         if supersedes is None:
             self._usage.load(entry.key, entry.size, entry.timestamp, entry.interval, entry.uses)
         else:
-            usage = self._usage.add(entry.key, entry.size, entry.timestamp, supersedes, history)
+            usage = self._usage.add(entry.key, entry.size, entry.timestamp, supersedes, history, worth)
             entry.uses, entry.interval = usage.uses, usage.interval
         found = self._table(entry)
         if found is None:

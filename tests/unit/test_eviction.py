@@ -341,3 +341,36 @@ def test_the_table_heaps_stay_bounded() -> None:
         tbl.remove(f"once{i - 1}")
     assert len(tbl) == 2
     assert len(tbl._due) <= 2 * len(tbl) + 1025 and len(tbl._once) <= 2 * len(tbl) + 1025
+
+
+@pytest.mark.parametrize("choose", [predicted, table_choice], ids=["victims", "table"])
+def test_a_file_worth_less_per_byte_goes_before_one_worth_more_with_the_same_rhythm(choose: Choose) -> None:
+    """Two models' conversations on one rhythm: the files of the model whose prefill is quick (or whose cache weighs
+    more per token) spare less per byte and go first; with equal worths the order is the rhythm's."""
+    tbl = UsageTable()
+    for name, worth in (("slow-model", 4.0), ("quick-model", 0.5), ("typical", 1.0), ("typical2", 1.0)):
+        tbl.add(name, 100, 0.0, worth=worth)
+        tbl.use(name, 10.0)
+        tbl.use(name, 20.0)   # every one due at 30 s
+    assert choose(tbl, 25.0, 0, 300, set()) == ["quick-model"]
+    assert choose(tbl, 25.0, 0, 200, set())[:2] == ["quick-model", "typical"]
+    assert "slow-model" not in choose(tbl, 25.0, 0, 100, set())
+
+
+def test_worth_only_reorders_entries_whose_worth_differs_from_the_typical_one() -> None:
+    same = UsageTable()
+    unknown = UsageTable()
+    for i, due in enumerate((30.0, 50.0, 40.0)):
+        for tbl, worth in ((same, 2.0), (unknown, 0.0)):
+            tbl.add(f"c{i}", 100, 0.0, worth=worth)
+            tbl.use(f"c{i}", due / 2)
+            tbl.use(f"c{i}", due)
+    assert same.victims(55.0, 0, 200, set()) == unknown.victims(55.0, 0, 200, set())
+    assert same.typical_worth() == 2.0 and unknown.typical_worth() is None
+
+
+def test_a_new_turn_keeps_the_worth_of_the_file_it_supersedes_when_its_own_is_unknown() -> None:
+    tbl = UsageTable()
+    tbl.add("turn1", 100, 0.0, worth=3.0)
+    usage = tbl.add("turn2", 120, 5.0, supersedes=["turn1"])
+    assert usage.worth == 3.0
