@@ -296,6 +296,10 @@ async def proxy_state(pipeline: Pipeline | None, started: float, disk: DiskFigur
         "waiting": pipeline.pool.waiting,
         "coalesced_groups": len(pipeline.coalescer),
         "meta_entries": len(pipeline.index),
+        # the settings whose cost the dashboard shows (what a saved cache would have spared)
+        "big_threshold_words": "auto" if pipeline.settings.big_threshold_words is None
+        else pipeline.settings.big_threshold_words,
+        "meta_max": pipeline.settings.meta_max,
         "cache_disk_bytes": await (disk or DiskFigure(pipeline.index)).get(),
     }
 

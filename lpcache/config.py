@@ -47,7 +47,7 @@ class Settings:
     backends: tuple[BackendConfig, ...] = (BackendConfig("http://127.0.0.1:8000"),)
     n_slots: int = 1
     words_per_block: int = 100
-    big_threshold_words: int = 500
+    big_threshold_words: int | None = 500   # None: auto (`worth`: saved when a file pays, from measured costs)
     lcp_th: float = 0.1
     meta_dir: str = "./kv_meta"
     meta_max: int = 10
@@ -285,6 +285,16 @@ def _gib(item: Mapping[str, Any], i: int) -> float | None:
     return None if value is None else float(value)
 
 
+def _words_or_auto(raw: str) -> int | None:
+    """A word count, or `auto` (None: the cost-based policy of `worth`)."""
+    if raw.strip().lower() == "auto":
+        return None
+    try:
+        return _int(0)(raw)
+    except ValueError as e:
+        raise ValueError(f"{e}, nor auto") from None
+
+
 def _gib_or_auto(raw: str) -> float | None:
     """A size in GiB (0 = no limit), or `auto` (None: derived from the disk at start)."""
     if raw.strip().lower() == "auto":
@@ -325,15 +335,20 @@ OPTIONS: tuple[Option, ...] = (
            "Slot count of the LLAMA_URL backend when set explicitly; otherwise the server's total_slots is used, "
            "and this default only when the server cannot be asked.", metavar="N"),
     Option("WORDS_PER_BLOCK", "--words-per-block", _int(1), "100", "Words per hash block.", metavar="N"),
-    Option("BIG_THRESHOLD_WORDS", "--big-threshold-words", _int(0), "500",
+    Option("BIG_THRESHOLD_WORDS", "--big-threshold-words", _words_or_auto, "500",
            "A request with more words than this is big: its KV cache is saved after completion and restored "
-           "before a later request that shares its prefix.", metavar="N"),
+           "before a later request that shares its prefix. auto: no word count; a cache is saved when the "
+           "prefill it can spare, weighed by how often a later request needs a file, beats writing and reading "
+           "it, at the prefill, save and restore speeds lpcache measures on each backend and model (short chat "
+           "turns on a CPU or an Apple chip are saved, nothing on a fast GPU); META_MAX is then not counted "
+           "unless set (META_MAX_GIB's bytes bound the files).", metavar="N|auto"),
     Option("LCP_TH", "--lcp-th", _float(0.0, 1.0), "0.1",
            "Minimum share of the request's blocks that a saved cache must match, from the start, to be restored "
            "(0..1).", metavar="RATIO"),
     Option("META_DIR", "--meta-dir", _text, "./kv_meta", "Folder of the <key>.meta.json files.", metavar="DIR"),
     Option("META_MAX", "--meta-max", _int(0), "10",
-           "Most meta files kept, with their KV files; 0 = no limit. First deleted: files a later turn moved on from, "
+           "Most meta files kept, with their KV files; 0 = no limit (with BIG_THRESHOLD_WORDS=auto, unset means no "
+           "limit). First deleted: files a later turn moved on from, "
            "then those an idle slot holds (saved again before it is replaced; not with REDIS_URL, where another "
            "replica may replace the slot), then those needed furthest in the future. A file chosen for a restore "
            "not run yet is neither deleted nor counted.",
@@ -566,7 +581,10 @@ def load_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] 
         big_threshold_words=values["BIG_THRESHOLD_WORDS"],
         lcp_th=values["LCP_TH"],
         meta_dir=values["META_DIR"],
-        meta_max=values["META_MAX"],
+        # auto keeps files by their value within META_MAX_GIB's bytes: a count of files is the wrong unit (kilobytes
+        # for a small model, gigabytes for a large one), unless one is asked for
+        meta_max=0 if values["BIG_THRESHOLD_WORDS"] is None and sources["META_MAX"] == "default"
+        else values["META_MAX"],
         request_timeout=values["REQUEST_TIMEOUT"],
         model_id=values["MODEL_ID"],
         host=values["HOST"],
@@ -657,6 +675,8 @@ def describe(settings: Settings) -> str:
             value = shown_url(settings.redis_url)
         elif o.env == "META_MAX_GIB":
             value = "auto" if settings.meta_max_gib is None else settings.meta_max_gib
+        elif o.env == "BIG_THRESHOLD_WORDS":
+            value = "auto" if settings.big_threshold_words is None else settings.big_threshold_words
         elif o.env == "LPCACHE_API_KEYS":
             value = f"{len(settings.api_keys)} key(s)" if settings.api_keys else "unset"
         else:

@@ -137,6 +137,7 @@ _KINDS = {
     "_fields": "field names",
     "_save_policy": " or ".join(f"`{p}`" for p in SAVE_POLICIES),
     "_gib_or_auto": "GiB (at least 0), or `auto`",
+    "_words_or_auto": "integer ≥ 0, or `auto`",
 }
 
 

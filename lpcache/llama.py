@@ -65,6 +65,18 @@ class SlotAction:
     ms: float
 
     @property
+    def work_ms(self) -> float:
+        """What the server spent on the file itself (its `timings.save_ms` or `restore_ms`), without the time the
+        action waited behind other slots' batches, which a busy server adds to `ms`; `ms` when it does not say."""
+        timings = self.body.get("timings")
+        if isinstance(timings, dict):
+            for name in ("save_ms", "restore_ms"):
+                value = timings.get(name)
+                if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+                    return float(value)
+        return self.ms
+
+    @property
     def error(self) -> str:
         err = self.body.get("error")
         if isinstance(err, dict):

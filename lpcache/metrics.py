@@ -22,6 +22,7 @@ from starlette.responses import Response
 from . import __version__
 from .apis import BY_PATH
 from .record import RequestRecord
+from .worth import MISSED_KINDS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 BREAKER_STATES = ("closed", "open", "half_open")
@@ -75,6 +76,10 @@ class _Live(Collector):
         yield idle
         yield CounterMetricFamily("lpcache_background_save_bytes", "Bytes those saves wrote",
                                   value=p.saver.background.bytes)
+        yield GaugeMetricFamily("lpcache_cache_need_rate", "Share of the prompts seen that a later request continued "
+                                "when neither a slot nor the server's RAM cache still held them: how often a saved "
+                                "cache is needed (BIG_THRESHOLD_WORDS=auto weighs the prefill a file spares by it)",
+                                value=p.saver.worth.watch.rate())
         yield CounterMetricFamily("lpcache_cache_evictions", "Saved caches deleted by META_MAX or META_MAX_GIB",
                                   value=p.index.evicted)
         yield CounterMetricFamily("lpcache_restores_lost", "Restores whose chosen cache's file was gone before they "
@@ -159,6 +164,16 @@ class Metrics:
         self.tokens = Counter("lpcache_prompt_tokens", "Prompt tokens the servers took from their cache (cached) "
                               "or computed (computed)", ["source"], registry=r)
         self.completion_tokens = Counter("lpcache_completion_tokens", "Tokens the servers generated", registry=r)
+        self.missed_tokens = Counter("lpcache_prefill_missed_tokens", "Prompt tokens computed again that an earlier "
+                                     "request had, which a saved cache would have spared, by why there was none: "
+                                     "threshold (BIG_THRESHOLD_WORDS did not save it), limit (META_MAX or "
+                                     "META_MAX_GIB deleted its file), not_worth (auto judged a file not worth it)",
+                                     ["kind"], registry=r)
+        self.missed_seconds = Counter("lpcache_prefill_missed_seconds", "Seconds of prefill those tokens took, at the "
+                                      "backend's learnt speed", ["kind"], registry=r)
+        self.decisions = Counter("lpcache_save_decisions", "BIG_THRESHOLD_WORDS=auto: answered requests by whether "
+                                 "their cache was worth a file (worth, probe: saved to learn a save's cost) or not "
+                                 "(not_worth, probe_too_short, no_speed)", ["decision"], registry=r)
         buckets = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
         self.ttft = Histogram("lpcache_time_to_first_token_seconds", "Seconds from a streamed request's arrival "
                               "to its first chunk", buckets=buckets, registry=r)
@@ -167,7 +182,8 @@ class Metrics:
         Info("lpcache_build", "The lpcache version and the Python running it", registry=r).info(
             {"version": __version__, "python": platform.python_version()})
         for metric, values in ((self.restores, ("ok", "failed")), (self.saves, ("ok", "failed")),
-                               (self.disk_bytes, ("save", "restore")), (self.tokens, ("cached", "computed"))):
+                               (self.disk_bytes, ("save", "restore")), (self.tokens, ("cached", "computed")),
+                               (self.missed_tokens, MISSED_KINDS), (self.missed_seconds, MISSED_KINDS)):
             for value in values:   # at 0 from the start: a rate over them is 0, not "no data"
                 self._child(metric, value)
         r.register(_Live(pipeline, disk))
@@ -217,6 +233,11 @@ class Metrics:
             self.completion_tokens.inc(record.completion_tokens)
         if record.stream and record.ttft_ms is not None:
             self.ttft.observe(record.ttft_ms / 1000.0)
+        if record.missed_kind is not None:
+            self._child(self.missed_tokens, record.missed_kind).inc(record.missed_tokens or 0)
+            self._child(self.missed_seconds, record.missed_kind).inc(record.missed_seconds or 0.0)
+        if record.save_decision is not None:
+            self._child(self.decisions, record.save_decision).inc()
 
     def counted(self, route: str, endpoint: Endpoint) -> Endpoint:
         """`endpoint` (one lpcache answers itself, without a record: GET /v1/models, GET /health), counted in

@@ -68,6 +68,10 @@ class RequestRecord:
     swap_saved: bool | None = None     # the slot's previous cache was saved before this request used the slot
     swap_save_ms: float | None = None
     swap_save_bytes: int | None = None
+    save_decision: str | None = None   # BIG_THRESHOLD_WORDS=auto: why its cache was saved or not (`worth.DECISIONS`)
+    missed_kind: str | None = None     # it computed again what an earlier request had (`worth.Worth.came_back`):
+    missed_tokens: int | None = None   # ... why no file spared it (threshold, limit, not_worth), how many tokens,
+    missed_seconds: float | None = None  # ... and their prefill's seconds at the backend's speed
 
     def take_usage(self, doc: dict[str, Any]) -> None:
         """Copy the backend's `usage` and `timings` from a completion (or the last SSE chunk). A Responses answer

@@ -31,6 +31,7 @@ from .server_cache import ServerCaches
 from .sessions import SessionBook, route_name
 from .slots import Choice, Content, Lease, Slot, SlotPool
 from .speeds import SpeedBook
+from .worth import Seen, Worth
 
 log = logging.getLogger("lpcache.saving")
 
@@ -92,6 +93,9 @@ class Saver:
         # Whether a cache worth keeping stays unsaved in its slot for now (`slot_fill.SlotFiller.save_later`).
         self.save_later: Callable[[Backend, Content], bool] = lambda backend, content: False
         self.stopping = False   # the shutdown's saves have begun (`save_all`)
+        # BIG_THRESHOLD_WORDS=auto's decisions, and what came back of the prompts seen (under any setting)
+        self.worth = Worth(settings.big_threshold_words is None, settings.big_threshold_words, settings.meta_max)
+        self._verdicts: dict[tuple[int, str], bool] = {}
 
     async def file_name(self, backend: Backend, content: Content) -> Content:
         """The name a prefix cache is saved under: its own, or on a backend whose folder lpcache cannot see (and
@@ -157,6 +161,7 @@ class Saver:
             content = self.content_after(backend, prompt, big, record, want, prefilled, held_blocks)
             if content is not None and prefilled:
                 self.server_caches.held(backend.index, content.chain)
+                big, content = self.weigh(backend, prompt, big, record, content, held_blocks, want is not None)
             eager = (content is not None and content.keep and big and self.settings.save_policy == "eager"
                      and self.enabled(backend, prompt.model))
             if eager and want is None and content is not None and self.save_later(backend, content):
@@ -181,6 +186,43 @@ class Saver:
             if self.index.over():   # a restore's file may now be held by its slot: the limits hold again
                 self.spawn(self.index.enforce())
             self.notify(record)
+
+    def weigh(self, backend: Backend, prompt: Prompt, big: bool, record: RequestRecord, content: Content,
+              held_blocks: int, session: bool) -> tuple[bool, Content]:
+        """What the request's cache is worth: under BIG_THRESHOLD_WORDS=auto, whether a file pays (`worth`; the
+        cache is kept, and saved, only then); under any setting, whether it continued a prompt seen earlier (the
+        need rate, and the prefill a file would have spared: `Worth.came_back`). Returns (big, content)."""
+        worth = self.worth
+        served = RouterModels.served(backend, prompt.model)
+        speeds = self.speeds.of(backend.index, served)
+        model = content.fingerprint or prompt.model
+        now = time.monotonic()
+        earlier = worth.watch.continued(model, prompt.exact, now)
+        if earlier is not None:
+            held = not record.restored and held_blocks >= earlier.depth
+            missed = worth.came_back(earlier, held, bool(record.restored), record.prompt_tokens, record.cache_n,
+                                     session or earlier.key in self.index, speeds)
+            if missed is not None:
+                record.missed_kind, record.missed_tokens, record.missed_seconds = missed
+        why = ""
+        if worth.auto:
+            big, decision = worth.decide(speeds, content.tokens, record.prefill_ms, record.prompt_n)
+            record.big, record.save_decision = big, decision
+            content = replace(content, keep=big)
+            why = "" if big else "not_worth"
+            if decision != "probe" and self._verdicts.get((backend.index, served)) != big:
+                self._verdicts[(backend.index, served)] = big
+                log.info("save_verdict backend=%s model=%s worth=%s tokens=%s %s: caches like this one are %s",
+                         backend.url, served, str(big).lower(), content.tokens, worth.describe(speeds),
+                         "saved (a file spares more prefill than it costs here)" if big else
+                         "not saved (a file would not spare enough prefill here to pay for its writing)")
+        elif not big:
+            why = "threshold"
+        if content.tokens:
+            worth.note(model, prompt.exact, Seen(len(prompt.exact), content.tokens,
+                                                 record.prompt_tokens or content.tokens, prompt.n_words,
+                                                 content.key, why, now))
+        return big, content
 
     async def save_session(self, choice: Choice, backend: Backend, content: Content,
                            record: RequestRecord) -> Content:
@@ -223,7 +265,8 @@ class Saver:
                          result.body.get("n_saved"), result.body.get("n_written"), result.ms)
                 self.spawn(self.index.add(prompt, content.key, backend.url, backend.config.slot_save_path,
                                           content.fingerprint, int_or_none(result.body.get("n_saved")),
-                                          int_or_none(result.body.get("n_written"))))
+                                          int_or_none(result.body.get("n_written")),
+                                          self.file_worth(backend, content.model, result)))
                 return replace(content, saved=True)
             log.warning("slot_save_failed key=%s slot=%s attempt=%d/%d status=%s reason=%r", content.key[:16],
                         slot.name, attempt, attempts, result.status, result.error)
@@ -238,12 +281,17 @@ class Saver:
         await self.index.forget(content.key, backend.config.slot_save_path)
         return content
 
+    def file_worth(self, backend: Backend, model: str, result: SlotAction) -> float | None:
+        """What a file just saved spares per byte, for the replacement order (`eviction`)."""
+        return self.worth.per_byte(self.speeds.of(backend.index, RouterModels.served(backend, model)),
+                                   int_or_none(result.body.get("n_saved")), int_or_none(result.body.get("n_written")))
+
     def record_save(self, backend: Backend, content: Content, result: SlotAction, record: RequestRecord) -> None:
         record.saved, record.save_ms, record.save_file = result.ok, result.ms, content.key
         record.save_bytes = int_or_none(result.body.get("n_written"))
         if result.ok:
             self.speeds.of(backend.index, RouterModels.served(backend, content.model)).save.add(
-                result.ms, int_or_none(result.body.get("n_saved")) or 0)
+                result.work_ms, int_or_none(result.body.get("n_saved")) or 0)
 
     # ---- what the slot held, saved before it is replaced ----
 
@@ -296,7 +344,8 @@ class Saver:
                     self.sessions.saved(info, backend.index, n_written, held.chain)
             elif held.prompt is not None:
                 self.spawn(self.index.add(held.prompt, held.key, backend.url, path, held.fingerprint,
-                                          int_or_none(result.body.get("n_saved")), n_written))
+                                          int_or_none(result.body.get("n_saved")), n_written,
+                                          self.file_worth(backend, held.model, result)))
         elif held.session is None:
             self.spawn(self.index.forget(held.key, path))
 

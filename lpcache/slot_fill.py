@@ -245,8 +245,9 @@ class SlotFiller:
             record.reason = "slot_timeout"
             raise
         if plan is not None and not planned:
-            log.info("own_slot_still_busy key=%s waited_s=%.2f: the busy slot that holds more of the prompt was not "
-                     "free within the prefill it would spare; taking another", prompt.key[:16],
+            log.info("own_slot_still_busy key=%s plan_s=%.2f waited_s=%.2f: the busy slot that holds more of the "
+                     "prompt was not free within plan_s (what waiting for it could spare); the request took the first "
+                     "slot to come free (waited_s: both waits)", prompt.key[:16], plan.seconds,
                      time.perf_counter() - started)
         if homes and choice.slot.backend not in homes:
             budget = self.budget(prompt)
@@ -396,7 +397,7 @@ class SlotFiller:
         record.restored_tokens = int_or_none(result.body.get("n_restored"))
         if result.ok:
             self.speeds.of(backend.index, RouterModels.served(backend, model)).restore.add(
-                result.ms, record.restored_tokens or 0)
+                result.work_ms, record.restored_tokens or 0)
 
     async def swap_session(self, choice: Choice, backend: Backend, prompt: Prompt, want: Content,
                            record: RequestRecord) -> None:

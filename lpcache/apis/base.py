@@ -135,7 +135,9 @@ class Api:
             prompt = Prompt.of(model, view.messages, settings.words_per_block, view.template, view.words)
             if self.name != "chat":   # its answers are another API's: never a chat request's result or coalesced
                 prompt = replace(prompt, key=cache_key(self.name, prompt.key))
-        big = prompt is not None and prompt.n_words > settings.big_threshold_words
+        # auto (None): every cacheable prompt may be worth a file; `saving.Saver.after` decides once it is answered
+        threshold = settings.big_threshold_words
+        big = prompt is not None and (threshold is None or prompt.n_words > threshold)
         return Call(self, path, body, send, model, bool(body.get("stream")), prompt, big, view.messages,
                     view.messages if view.shown is None else view.shown)
 

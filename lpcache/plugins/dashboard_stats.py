@@ -22,7 +22,10 @@ from typing import Any
 FIELDS = ("requests", "successes", "errors", "s2xx", "s3xx", "s4xx", "s5xx", "sother", "restored",
           "restore_failed", "cache_hits", "coalesced", "saves_ok", "saves_failed", "prompt_tokens", "cached_tokens",
           "computed_tokens", "completion_tokens", "restore_ms_sum", "restore_ms_n", "save_ms_sum", "save_ms_n",
-          "restore_bytes", "save_bytes", "served", "client_errors", "server_errors")
+          "restore_bytes", "save_bytes", "served", "client_errors", "server_errors",
+          # prefill computed again that a saved cache would have spared (`worth`), in tokens by why there was no
+          # file, and the milliseconds of the first two: what the settings cost
+          "missed_threshold", "missed_limit", "missed_not_worth", "missed_ms")
 INDEX = {name: i for i, name in enumerate(FIELDS)}
 
 # Reasons that say the server broke an answer whose status (200) had already gone out.
@@ -222,6 +225,11 @@ class Counts:
             c["restore_ms_sum"], c["restore_ms_n"] = restore_ms, 1
         if save_ms is not None:
             c["save_ms_sum"], c["save_ms_n"] = save_ms, 1
+        missed = getattr(record, "missed_kind", None)
+        if missed in ("threshold", "limit", "not_worth"):
+            c[f"missed_{missed}"] = _int(getattr(record, "missed_tokens", None)) or 0
+            if missed != "not_worth":
+                c["missed_ms"] = (_num(getattr(record, "missed_seconds", None)) or 0.0) * 1000.0
         c["restore_bytes"] = _int(getattr(record, "restore_bytes", None)) or 0
         c["save_bytes"] = _int(getattr(record, "save_bytes", None)) or 0
         counts = cls([c.get(name, 0) for name in FIELDS])
@@ -271,6 +279,9 @@ class Counts:
             "save_ms_avg": _avg(self.save_ms_sum, self.save_ms_n),
             "restore_bytes": self.restore_bytes,
             "save_bytes": self.save_bytes,
+            "missed_tokens": {"threshold": self.missed_threshold, "limit": self.missed_limit,
+                              "not_worth": self.missed_not_worth},
+            "missed_secs": round(self.missed_ms / 1000.0, 3),
             "ttft_ms": (self.ttft or Histogram()).summary(),
             "latency_ms": (self.latency or Histogram()).summary(),
             "backends": {name: {"requests": n, "busy_secs": round(busy / 1000, 3)}

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import lpcache
-from lpcache.config import OPTIONS, BackendConfig, Settings, build_parser, load_settings
+from lpcache.config import OPTIONS, BackendConfig, Settings, build_parser, describe, load_settings
 from lpcache.errors import ConfigError
 
 SPEC_ENV_TO_FLAG = {
@@ -129,6 +129,18 @@ def test_meta_max_gib_is_auto_or_a_size() -> None:
     assert config_error(META_MAX_GIB="-1").variable == "META_MAX_GIB"
     assert config_error(META_MAX_GIB="lots").variable == "META_MAX_GIB"
     assert config_error(SLOT_AFFINITY_WAIT="-2").variable == "SLOT_AFFINITY_WAIT"
+
+
+def test_big_threshold_words_is_a_count_or_auto_and_auto_counts_no_files_unless_told() -> None:
+    auto = load(BIG_THRESHOLD_WORDS="auto")
+    assert auto.big_threshold_words is None and auto.meta_max == 0   # META_MAX_GIB's bytes bound the files
+    assert load(BIG_THRESHOLD_WORDS=" Auto ").big_threshold_words is None
+    assert load(["--big-threshold-words", "auto"], META_MAX="25").meta_max == 25   # an explicit count is kept
+    assert load(BIG_THRESHOLD_WORDS="auto", META_MAX="10").meta_max == 10
+    assert load(BIG_THRESHOLD_WORDS="120").big_threshold_words == 120 and load().meta_max == 10
+    assert "big_threshold_words=auto" in describe(auto) and "meta_max=0" in describe(auto)
+    err = config_error(BIG_THRESHOLD_WORDS="many")
+    assert err.variable == "BIG_THRESHOLD_WORDS" and "auto" in err.problem
 
 
 def test_load_settings_ignores_the_process_environment_when_given_one(monkeypatch) -> None:
