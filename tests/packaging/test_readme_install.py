@@ -106,6 +106,7 @@ def test_the_quick_start_runs_in_front_of_the_stand_in(tmp_path: Path) -> None:
             log_text = log_path.read_text()
             assert f"backend_slots url={mock.url} total_slots={n_slots} (from /props)" in log_text, log_text
             assert f"app_start version={lpcache.__version__} " in log_text, log_text
+            assert " big_threshold_words=auto " in log_text, "the quick start's lpcache runs BIG_THRESHOLD_WORDS=auto"
             assert (work / "kv_meta").is_dir()
 
             # 3. the clients' lines, to lpcache's port.
