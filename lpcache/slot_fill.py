@@ -415,7 +415,7 @@ class SlotFiller:
         if slot.content is not None and slot.content.dirty and slot.content.session is None:
             await self.saver.index.saving(slot.content.key, backend.config.slot_save_path)   # may be saved here
         result = await swap.bring_in(backend.client, slot.id, slot.content, want, self.saver.folders[backend.index],
-                                     RouterModels.slot_model(backend, prompt.model), restore=restore)
+                                     RouterModels.slot_model(backend, prompt.model), restore=restore, owned=True)
         if result.saved is not None and slot.content is not None:
             self.saver.saved_held(backend, slot, slot.content, result.saved, record)
         slot.content = result.held

@@ -160,20 +160,28 @@ async def save(client: LlamaClient, slot: int, content: Content, folders: Folder
 
 
 async def bring_in(client: LlamaClient, slot: int, held: Content | None, want: Content, folders: Folders | None,
-                   model: str | None = None, idle_limit: float | None = None, restore: bool = True) -> Swap:
+                   model: str | None = None, idle_limit: float | None = None, restore: bool = True,
+                   owned: bool = False) -> Swap:
     """Put the cache `want` (a session's) into the slot that holds `held`.
 
     Nothing to do when the slot holds it already. Else: wait for the slot to be idle; save `held` under its own
     name if it changed since its last save (an unknown or empty slot is never saved over a good file); restore
     `want`'s file when there is one. Without a file the slot keeps what it holds: the server reuses whatever
     prefix the new prompt shares with it (an erase would gain nothing, and an empty pinned slot would bypass the
-    server's RAM cache). `restore` False: the caller found a prefill faster than the restore."""
+    server's RAM cache). `restore` False: the caller found a prefill faster than the restore.
+
+    `owned`: the caller holds the slot (lpcache's pool), so no request of another client is in it and the server's
+    word on its idleness (`GET /slots`, which a busy server answers only after its current batch, seconds on a CPU)
+    is asked only when `held` is to be saved: the save checks the slot holds what lpcache believes."""
     swap = Swap(held)
     if held is not None and held.key == want.key:
         swap.skipped = "resident"
         return swap
     started = time.perf_counter()
-    idle, tokens = await idle_tokens(client, slot, model, idle_limit)
+    if owned and (held is None or not held.dirty):
+        idle, tokens = True, None
+    else:
+        idle, tokens = await idle_tokens(client, slot, model, idle_limit)
     swap.waited_ms = (time.perf_counter() - started) * 1000.0
     if not idle:
         log.warning("slot_busy url=%s slot=%d: the slot stayed busy with a request lpcache did not send; no swap "

@@ -1,0 +1,99 @@
+"""BIG_THRESHOLD_WORDS=auto against a real llama-server (-np 2 --cache-ram 0): chat conversations of short turns
+(realistic text, the server's own answers fed back), more conversations than slots, taking turns. With the default
+threshold none of them is saved, and lpcache says what that costs; with auto every turn whose cache a later turn
+needs is saved, and each later turn computes little more than its own new message."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import httpx
+import pytest
+
+from lpcache import chats
+from lpcache.config import BackendConfig, Settings
+from lpcache.testing import LlamaServer
+
+from ..conftest import Proxy, figures
+
+pytestmark = pytest.mark.e2e
+
+CONVERSATIONS, TURNS = 4, 3
+
+
+def play(url: str, session_ids: bool = False) -> list[dict[str, Any]]:
+    """Conversations taking turns, user turns of 20-60 words of real-looking text (prose, code, lists, Unicode),
+    answers of at most 16 tokens fed back; returns each request's timings, conversation and turn."""
+    rng = random.Random(21)
+    history: list[list[dict[str, Any]]] = [[] for _ in range(CONVERSATIONS)]
+    out = []
+    with httpx.Client(timeout=600) as client:
+        for turn in range(TURNS):
+            for c in range(CONVERSATIONS):
+                history[c].append({"role": "user", "content": chats.text(rng, rng.randint(20, 60))})
+                r = client.post(f"{url}/v1/chat/completions",
+                                headers={"X-Session-ID": f"conversation-{c}"} if session_ids else None,
+                                json={"model": "smollm2", "messages": history[c], "max_tokens": 16,
+                                      "temperature": 0})
+                assert r.status_code == 200, r.text
+                doc = r.json()
+                history[c].append({"role": "assistant", "content": doc["choices"][0]["message"]["content"]})
+                out.append({"turn": turn, "conversation": c, "restored": r.headers.get("x-lpcache-restored"),
+                            **doc["timings"], "prompt_tokens": doc["usage"]["prompt_tokens"]})
+    return out
+
+
+def metric(proxy: Proxy, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in proxy.client.get("/metrics").text.splitlines()
+               if line.startswith(name))
+
+
+@pytest.mark.parametrize("session_ids", [False, True], ids=["prefix", "sessions"])
+def test_auto_saves_short_turns_on_a_cpu_and_later_turns_compute_only_their_new_message(
+        tmp_path: Any, session_ids: bool) -> None:
+    slots = str(tmp_path / "slots")
+    with LlamaServer(slots, n_slots=2, cache_ram=0, ctx=8192) as server:
+        proxy = Proxy(Settings(backends=(BackendConfig(server.url, None, slots),), meta_dir=str(tmp_path / "meta"),
+                               host="127.0.0.1", big_threshold_words=None, meta_max=0))
+        try:
+            rows = play(proxy.url, session_ids)
+            proxy.settle()
+            worth = metric(proxy, 'lpcache_save_decisions_total{decision="worth"}')
+            probes = metric(proxy, 'lpcache_save_decisions_total{decision="probe"}')
+        finally:
+            proxy.stop()
+    later = [r for r in rows if r["turn"] > 0]
+    restored = [r for r in later if r["restored"] == "true"]
+    # The turns before a later one: its conversation's previous prompt and answer, which the restore brought back.
+    previous = {(r["conversation"], r["turn"]): r["prompt_tokens"] for r in rows}
+    figures(f"auto ({'sessions' if session_ids else 'prefix'}): {len(restored)} of {len(later)} later turns "
+            f"restored; computed {sum(r['prompt_n'] for r in rows)} of {sum(r['prompt_tokens'] for r in rows)} "
+            f"prompt tokens; save decisions worth={worth:.0f} probe={probes:.0f}")
+    assert worth + probes >= CONVERSATIONS * (TURNS - 1)
+    assert len(restored) >= len(later) - 1, rows
+    for r in restored:
+        assert r["cache_n"] >= previous[(r["conversation"], r["turn"] - 1)], r   # the whole previous prompt
+
+
+def test_the_default_threshold_saves_none_of_them_and_says_what_it_costs(tmp_path: Any, caplog) -> None:
+    slots = str(tmp_path / "slots")
+    with LlamaServer(slots, n_slots=2, cache_ram=0, ctx=8192) as server:
+        proxy = Proxy(Settings(backends=(BackendConfig(server.url, None, slots),), meta_dir=str(tmp_path / "meta"),
+                               host="127.0.0.1"))
+        try:
+            with caplog.at_level("WARNING", logger="lpcache.worth"):
+                rows = play(proxy.url)
+                proxy.settle()
+            missed = metric(proxy, 'lpcache_prefill_missed_tokens_total{kind="threshold"}')
+            seconds = metric(proxy, 'lpcache_prefill_missed_seconds_total{kind="threshold"}')
+            saves = metric(proxy, 'lpcache_saves_total{result="ok"}')
+        finally:
+            proxy.stop()
+    computed_again = sum(r["prompt_n"] for r in rows if r["turn"] > 0)
+    figures(f"defaults: 0 saves; {missed:.0f} tokens ({seconds:.1f} s of prefill) computed again that a file would "
+            f"have spared, of {computed_again} computed by later turns")
+    assert saves == 0
+    assert 0 < missed <= computed_again and seconds > 0
+    told = [r.getMessage() for r in caplog.records if r.getMessage().startswith("settings_cost")]
+    assert len(told) == 1 and "BIG_THRESHOLD_WORDS=500" in told[0]
