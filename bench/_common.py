@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
+from lpcache.config import OPTIONS
 from lpcache.testing import LlamaServer
 
 
@@ -94,7 +95,15 @@ def llama_machine_text(binary: str, gguf: str) -> str:
     build = re.search(r"version: (\S+.*)", version)
     return (f"Machine: {os.cpu_count()} cores ({model or platform.machine()}), Python {platform.python_version()}; "
             f"llama.cpp build 11434 ({build.group(1) if build else 'version unknown'}); model "
-            f"{os.path.basename(gguf)}")
+            f"{os.path.basename(gguf)}{lpcache_env_text()}")
+
+
+def lpcache_env_text() -> str:
+    """The lpcache settings this benchmark's environment gives every lpcache it starts (`make bench` runs the
+    scenarios with BIG_THRESHOLD_WORDS=auto), for the page's machine line; "" when none."""
+    given = [f"{o.env}={os.environ[o.env]}" for o in OPTIONS
+             if o.env in os.environ and o.env not in ("BACKENDS", "LLAMA_URL", "META_DIR")]
+    return f"; lpcache settings from the environment: {', '.join(given)}" if given else ""
 
 
 def replace_section(doc: Path, start: str, end: str, section: str) -> None:
