@@ -384,19 +384,40 @@ class SlotPool:
         self.slots.extend(slots)
         self.wake()
 
-    async def acquire(self, want: Want, timeout: float | None = None, plan: WaitPlan | None = None,
-                      refusals: bool = False) -> Choice:
+    async def acquire(self, want: Want, timeout: float | None = None) -> Choice:
         """Take a slot (among those `want.allowed`); raise SlotsBusy (503) when none comes free within the wait
-        timeout (`timeout`, else the pool's). With a `plan` whose target's request progresses, the timeout is
-        decided again (`plan.recheck`), never beyond the first. With `claims` (REDIS_URL), the slot is claimed
-        across replicas before it is returned; one another replica holds is passed over (chosen again; with
-        `refusals`, `Refused` is raised instead, for the caller to plan again)."""
+        timeout (`timeout`, else the pool's). With `claims` (REDIS_URL), the slot is claimed across replicas before
+        it is returned; one another replica holds is passed over (chosen again)."""
+        return (await self._claimed(want, timeout, None, refusals=False))[0]
+
+    async def take(self, want: Want, plan: WaitPlan | None, timeout: float | None = None,
+                   replan: Callable[[], WaitPlan | None] | None = None) -> tuple[Choice, bool]:
+        """Take a slot, waiting first for the busy slots `plan` names (for at most `plan.seconds`, decided again
+        when the awaited slot's request progresses: `plan.recheck`), then for any allowed slot, in one place in the
+        line: a request whose plan runs out keeps its turn. Returns the choice and whether it came from the plan.
+        The whole wait is bounded by the timeout (SLOT_WAIT_TIMEOUT). A slot chosen but found to be another
+        replica's (REDIS_URL) makes the plan be made again (`replan`), now that this replica knows it is busy."""
         total = self.wait_timeout if timeout is None else timeout
-        if self.claims is None:
-            return self._traced(await self._acquire(want, total, plan))
         deadline = time.monotonic() + total
         while True:
-            choice = await self._acquire(want, max(deadline - time.monotonic(), 0.0), plan)
+            try:
+                return await self._claimed(want, max(deadline - time.monotonic(), 0.0), plan,
+                                           refusals=replan is not None)
+            except Refused:
+                assert replan is not None
+                plan = replan()
+
+    async def _claimed(self, want: Want, timeout: float | None, plan: WaitPlan | None,
+                       refusals: bool) -> tuple[Choice, bool]:
+        """`_acquire`, then with `claims` the claim across replicas; with `refusals`, `Refused` when another
+        replica holds the slot chosen (the caller plans again), else that slot is passed over."""
+        total = self.wait_timeout if timeout is None else timeout
+        if self.claims is None:
+            choice, planned = await self._acquire(want, total, plan)
+            return self._traced(choice), planned
+        deadline = time.monotonic() + total
+        while True:
+            choice, planned = await self._acquire(want, max(deadline - time.monotonic(), 0.0), plan)
             believed = choice.slot.content
             try:
                 ours = await self.claims.claim(choice.slot, want,
@@ -407,11 +428,11 @@ class SlotPool:
                 raise
             if ours:
                 if choice.slot.content is believed:
-                    return self._traced(choice)
+                    return self._traced(choice), planned
                 # the claim told what the slot really holds (another replica used it meanwhile): decide again
                 # what to do with this slot, now that it is ours
                 want.given_back(choice)
-                return self._traced(want.choose([choice.slot], self.load()))
+                return self._traced(want.choose([choice.slot], self.load())), planned
             want.given_back(choice)
             self._unclaimed(choice.slot)   # marked `elsewhere` by the claim: not chosen again meanwhile
             if refusals:
@@ -427,28 +448,50 @@ class SlotPool:
         slot.busy = False
         self.wake()
 
-    async def _acquire(self, want: Want, timeout: float, plan: WaitPlan | None) -> Choice:
-        idle = self.idle(want.allowed)
+    async def _acquire(self, want: Want, timeout: float, plan: WaitPlan | None) -> tuple[Choice, bool]:
+        """Wait in line for a slot `want` allows; with a `plan`, only for the slots it names until its time is up
+        (`plan.seconds`, decided again at the awaited slot's progress, never beyond the first), then for any: the
+        waiter widens where it stands in the line. Returns the choice and whether it came while the plan held."""
+        narrow = want.only(plan.wanted) if plan is not None else want
+        idle = self.idle(narrow.allowed)
         if idle and not self._waiters:
-            return self._take(want.choose(idle, self.load()))
-        waiter = _Waiter(want)
+            return self._take(narrow.choose(idle, self.load())), plan is not None
+        waiter = _Waiter(narrow)
         self._waiters.append(waiter)
         self.wake()
-        target, recheck = (plan.target, plan.recheck) if plan is not None else (None, None)
+        loop = asyncio.get_running_loop()
+        widening: asyncio.TimerHandle | None = None
         replan: Callable[[], None] | None = None
+        target = plan.target if plan is not None else None
+
+        def widen() -> None:
+            if not waiter.future.done() and waiter.want is narrow:
+                waiter.want = want
+                self.wake()
+
+        if plan is not None and waiter.want is narrow:
+            bound = loop.time() + max(plan.seconds, 0.0)
+            widening = loop.call_at(bound, widen)
+            if target is not None and plan.recheck is not None:
+                again = plan.recheck
+
+                def replan() -> None:
+                    nonlocal widening
+                    if widening is not None:
+                        widening.cancel()
+                    seconds = again()
+                    if seconds <= 0:
+                        widen()   # the wait no longer pays: any slot, now
+                    else:
+                        widening = loop.call_at(min(bound, loop.time() + seconds), widen)
+
+                target.replans.append(replan)
         try:
             # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancel that lands just as the slot is
             # handed over, and the cancelled caller would keep a slot it never releases.
-            async with asyncio.timeout(timeout) as deadline:
-                if target is not None and recheck is not None:
-                    loop, again = asyncio.get_running_loop(), recheck
-                    bound = deadline.when() or loop.time()
-
-                    def replan() -> None:
-                        deadline.reschedule(min(bound, loop.time() + max(again(), 0.0)))
-
-                    target.replans.append(replan)
-                return await asyncio.shield(waiter.future)
+            async with asyncio.timeout(timeout):
+                choice = await asyncio.shield(waiter.future)
+            return choice, plan is not None and waiter.want is narrow
         except (TimeoutError, asyncio.CancelledError) as e:
             if waiter in self._waiters:
                 self._waiters.remove(waiter)
@@ -461,6 +504,8 @@ class SlotPool:
                 raise SlotsBusy("all slots busy", code="all_slots_busy") from None
             raise
         finally:
+            if widening is not None:
+                widening.cancel()
             if target is not None and replan is not None:
                 target.replans.remove(replan)
 
@@ -468,29 +513,6 @@ class SlotPool:
         """The request in `slot` got its first token: the requests waiting for that slot decide how long again."""
         for replan in list(slot.replans):
             replan()
-
-    async def take(self, want: Want, plan: WaitPlan | None, timeout: float | None = None,
-                   replan: Callable[[], WaitPlan | None] | None = None) -> tuple[Choice, bool]:
-        """The two-phase wait: when `plan` names busy slots worth waiting for, wait for one of them up to
-        `plan.seconds`, then for any allowed slot up to the pool's timeout. Returns the choice and whether it came
-        from the plan. A slot chosen but found to be another replica's (REDIS_URL) makes the plan be made again
-        (`replan`), now that this replica knows the slot is busy."""
-        total = self.wait_timeout if timeout is None else timeout
-        deadline = time.monotonic() + total   # the whole wait, both phases: SLOT_WAIT_TIMEOUT is the bound
-        while True:
-            try:
-                if plan is not None:
-                    try:
-                        left = max(deadline - time.monotonic(), 0.0)
-                        return await self.acquire(want.only(plan.wanted), min(plan.seconds, left), plan,
-                                                  refusals=replan is not None), True
-                    except SlotsBusy:
-                        pass
-                return await self.acquire(want, max(deadline - time.monotonic(), 0.0),
-                                          refusals=replan is not None), False
-            except Refused:
-                assert replan is not None
-                plan = replan()
 
     def release(self, slot: Slot, content: Content | None | bool = True, used: bool = True) -> None:
         """Give a slot back. `content`: what it now holds (True: unchanged, None: unknown). `used` False: it

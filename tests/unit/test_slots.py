@@ -641,3 +641,45 @@ def test_a_slot_sharing_only_a_common_system_prompt_is_not_taken_for_it() -> Non
     assert c.slot is free and c.resident == 0
     c = choose([first, free], prompt(system + " " + text(30, tag="a") + " more"), None)
     assert c.slot is first and c.resident == 32
+
+
+async def _until(condition: object, rounds: int = 100) -> None:
+    """Let the event loop run until `condition()` holds (a bounded number of turns, no clock)."""
+    for _ in range(rounds):
+        if condition():   # type: ignore[operator]
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the condition never held")
+
+
+async def test_a_request_whose_planned_wait_runs_out_keeps_its_turn_in_line() -> None:
+    """Both slots busy; W1 waits for s0 (its conversation's slot), W2 for any. s1 frees: W2 takes it (W1 waits only
+    for s0, and holds nobody up). W1's plan runs out, then W3 arrives. When s1 frees again, it goes to W1, which came
+    before W3: a request whose wait for its own slot did not pay is not sent to the back of the line."""
+    s0, s1 = slot(0, 0), slot(0, 1)
+    pool = SlotPool([s0, s1])
+    held0 = await pool.acquire(Want(allowed=lambda s: s is s0))
+    held1 = await pool.acquire(Want(allowed=lambda s: s is s1))
+    left = [60.0]
+    w1 = asyncio.create_task(pool.take(Want(), WaitPlan(lambda s: s is s0, 60.0, s0, lambda: left[0])))
+    await _until(lambda: pool.waiting == 1)
+    w2 = asyncio.create_task(pool.take(Want(), None))
+    await _until(lambda: pool.waiting == 2)
+    pool.release(held1.slot)
+    got2, _ = await w2
+    assert got2.slot is s1 and not w1.done()
+    left[0] = 0.0
+    pool.progressed(s0)                         # the plan runs out: W1 now waits for any slot, where it stood
+    w3 = asyncio.create_task(pool.take(Want(), None))
+    await _until(lambda: pool.waiting == 2)
+    pool.release(got2.slot)
+    await _until(lambda: w1.done() or w3.done())
+    assert w1.done() and not w3.done(), "the slot went to the request that came later"
+    got1, planned = await w1
+    assert got1.slot is s1 and not planned
+    pool.release(held0.slot)
+    got3, _ = await w3
+    assert got3.slot is s0
+    pool.release(got1.slot)
+    pool.release(got3.slot)
+    assert not any(s.busy for s in pool.slots) and pool.waiting == 0
