@@ -38,8 +38,9 @@ def first_turn(k: int) -> list[dict[str, Any]]:
 
 def test_concurrent_sessions_with_every_turn_saved_stream_only_data_lines(tmp_path: Path) -> None:
     with LlamaServer(str(tmp_path / "slots"), n_slots=2, cache_ram=0, ctx=8192) as server:
-        # What makes the test able to fail: the server's own stream of such a turn holds keep-alives.
-        raw = httpx.post(f"{server.url}/v1/chat/completions", json=body(first_turn(99)), timeout=600).content
+        # What makes the test able to fail: the server's own stream of a long prompt holds keep-alives.
+        long = [{"role": "user", "content": story(99, 2000) + "\n" + QUESTIONS[0]}]
+        raw = httpx.post(f"{server.url}/v1/chat/completions", json=body(long), timeout=600).content
         assert b"\n:\n\n" in b"\n" + raw, raw[:500]
         proxy = Proxy(Settings(backends=(BackendConfig(server.url, None, server.slot_save_path),),
                                meta_dir=str(tmp_path / "meta"), host="127.0.0.1", big_threshold_words=0,
