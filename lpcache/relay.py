@@ -1,4 +1,5 @@
-"""Passing a backend's answer to the client: a JSON body, or an SSE stream byte for byte.
+"""Passing a backend's answer to the client: a JSON body, or an SSE stream event by event, as it came (comment
+lines aside).
 
 A stream is read by a background task into a queue of STREAM_QUEUE_SIZE chunks, so a slow client slows the reader
 (backpressure) instead of growing memory. The response watches for the client leaving; when it does, the upstream
@@ -188,9 +189,9 @@ class JsonRelay:
 
 
 class SseRelay:
-    """Streams SSE chunks exactly as the backend sent them, noting the time to the first chunk and the `usage` and
-    `timings` of the last events on the way. The response starts with the first chunk, so an answer that breaks
-    before it can still be tried elsewhere."""
+    """Streams SSE events exactly as the backend sent them (whole events, without comment lines), noting the time
+    to the first event and the `usage` and `timings` of the last events on the way. The response starts with the
+    first whole event, so an answer that breaks before it can still be tried elsewhere."""
 
     def __init__(self, source: Source, record: RequestRecord, watch: ClientWatch, queue_size: int,
                  started: float, api: Api | None = None, convert: Converter | None = None) -> None:
@@ -205,20 +206,36 @@ class SseRelay:
         self._done = False   # the last event passed on was [DONE]
 
     async def _read(self, upstream: Upstream, queue: asyncio.Queue[object]) -> None:
-        """The background reader: upstream chunks into the queue, then the end marker (or the error)."""
+        """The background reader: the upstream's whole events into the queue, then the end marker (or the error).
+        The start of an event waits for its end: a stream that breaks halfway through an event must not glue the
+        error event to half an event (the client could parse neither), and a stream that breaks before its first
+        whole event can still be tried elsewhere. Comment lines (llama-server's keep-alive `:` after
+        `sse_ping_interval` seconds of silence) are left out: they are no part of the answer (an SSE reader ignores
+        them, a reader that takes every line for `data: <json>` fails on them), nor its first token."""
         end: object = _END
+        pending = b""
         try:
             async for chunk in upstream.chunks():
-                if self.record.ttft_ms is None:
-                    self.record.ttft_ms = (time.perf_counter() - self.started) * 1000.0
-                self._scan(chunk)
-                await queue.put(chunk)
+                pending += chunk
+                whole = _whole_events(pending)
+                if whole:
+                    events, pending = _without_comments(pending[:whole]), pending[whole:]
+                    if events:
+                        await self._queue(queue, events)
+            if pending := _without_comments(pending):   # the stream ended without a blank line: its last bytes
+                await self._queue(queue, pending)
             self.source.generated()
         except BackendUnreachable as e:
             end = e
         finally:
             with contextlib.suppress(asyncio.CancelledError):
                 await queue.put(end)
+
+    async def _queue(self, queue: asyncio.Queue[object], events: bytes) -> None:
+        if self.record.ttft_ms is None:
+            self.record.ttft_ms = (time.perf_counter() - self.started) * 1000.0
+        self._scan(events)
+        await queue.put(events)
 
     def _scan(self, chunk: bytes) -> None:
         """Parse only the complete events that carry usage or timings (the last ones), not every token."""
@@ -245,7 +262,7 @@ class SseRelay:
         reader: asyncio.Future[None] | None = None
         started = complete = False
         try:
-            while True:  # one pass per try; a try that breaks before its first chunk is replaced
+            while True:  # one pass per try; a try that breaks before its first event is replaced
                 upstream = self.source.upstream
                 assert upstream is not None
                 queue: asyncio.Queue[object] = asyncio.Queue(maxsize=self.queue_size)
@@ -318,19 +335,10 @@ class SseRelay:
             self.source.finish(delivered, complete)
 
     async def _pump(self, send: Send, queue: asyncio.Queue[object], item: object) -> object:
-        """Pass whole events on (to the followers, and to the client) until the end marker, returned. The start of
-        an event waits for its end: a stream that breaks halfway through an event must not glue the error event to
-        half an event (the client could parse neither)."""
-        pending = b""
+        """Pass the events on (to the followers, and to the client) until the end marker, returned."""
         while isinstance(item, bytes):
-            pending += item
-            whole = _whole_events(pending)
-            if whole:
-                await self._pass(send, pending[:whole])
-                pending = pending[whole:]
+            await self._pass(send, item)
             item = await queue.get()
-        if pending and item is _END:   # the stream ended without a blank line: its last bytes as they came
-            await self._pass(send, pending)
         return item
 
     async def _pass(self, send: Send, data: bytes) -> None:
@@ -366,6 +374,23 @@ def _whole_events(data: bytes) -> int:
     """How many bytes at the start of `data` are whole SSE events (up to the end of its last blank line)."""
     lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
     return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+
+
+def _without_comments(events: bytes) -> bytes:
+    """SSE events without their comment lines (a line that starts with `:`); an event left with no line goes
+    whole, its blank line too. What a conforming SSE reader makes of the stream is unchanged."""
+    if not (events.startswith(b":") or b"\n:" in events or b"\r:" in events):
+        return events   # the usual case: the bytes as they came
+    out, event, kept = bytearray(), bytearray(), False
+    for line in events.splitlines(keepends=True):
+        if line in (b"\n", b"\r\n", b"\r"):   # the blank line that ends an event
+            if kept:
+                out += event + line
+            event, kept = bytearray(), False
+        elif not line.startswith(b":"):
+            event += line
+            kept = True
+    return bytes(out + event)
 
 
 class FollowerRelay:

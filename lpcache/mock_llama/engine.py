@@ -25,6 +25,10 @@ class TaskParams:
     n_predict: int  # -1: until the slot's context is full
     cache_prompt: bool = True
     slot_id: int | None = None  # pinned slot (already wrapped), or None to let the server choose
+    # A stream's keep-alive: a comment (`:`) after this many seconds without an event; 0 or less: none. The body's
+    # `sse_ping_interval`; llama-server's default is 30 s, the stand-in's none (its answers are that slow only
+    # when a test makes them so, and then it asks for pings)
+    sse_ping_interval: float = 0.0
 
 
 def timings_json(

@@ -35,6 +35,7 @@ class Faults:
     hang: int = 0
     stream_break_after: int | None = None
     stream_break_count: int = -1
+    stream_break_half: bool = False  # the stream break comes halfway through the event after those passed on
     save_status: int | None = None
     save_fail_count: int = -1
     body_cut: int = 0
@@ -116,6 +117,8 @@ def _check(key: str, value: Any) -> Any:
         ok = is_int(value) and value >= -1
     elif key in ("drop", "hang", "body_cut", "body_stall"):
         ok = is_int(value) and value >= 0
+    elif key == "stream_break_half":
+        ok = isinstance(value, bool)
     elif key == "stream_break_after":
         ok = value is None or (is_int(value) and value >= 0)
     else:  # paths

@@ -69,7 +69,10 @@ def task_params(state: MockState, body: dict[str, Any], prompt: list[str]) -> Ta
             break
     id_slot = body_int(body, "id_slot", -1)
     slot_id = None if id_slot == -1 else wrap_slot_id(id_slot, state.config.slots)
-    return TaskParams(prompt, n_predict, body.get("cache_prompt") is not False, slot_id)
+    ping = body.get("sse_ping_interval", 0)   # seconds (here a fraction too, for quick tests)
+    if not isinstance(ping, int | float) or isinstance(ping, bool):
+        raise ApiError(400, "'sse_ping_interval' must be a number")
+    return TaskParams(prompt, n_predict, body.get("cache_prompt") is not False, slot_id, float(ping))
 
 
 def include_usage(body: dict[str, Any]) -> bool:
@@ -77,14 +80,42 @@ def include_usage(body: dict[str, Any]) -> bool:
     return isinstance(options, dict) and options.get("include_usage") is True
 
 
-async def cut_after(events: AsyncGenerator[bytes, None], limit: int, scope: Scope) -> AsyncGenerator[bytes, None]:
-    """Pass ``limit`` events on, then drop the connection (the stream-break fault)."""
+async def pinging(events: AsyncGenerator[bytes, None], interval: float) -> AsyncGenerator[bytes, None]:
+    """The stream with llama-server's keep-alive: a comment event (`:`) after every `interval` seconds without an
+    event (its `sse_ping_interval`: during a long prefill, or between slow tokens)."""
+    pending = asyncio.ensure_future(events.__anext__())
+    try:
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=interval)
+            if not done:
+                yield b":\n\n"
+                continue
+            try:
+                event = pending.result()
+            except StopAsyncIteration:
+                return
+            yield event
+            pending = asyncio.ensure_future(events.__anext__())
+    finally:
+        pending.cancel()
+        with contextlib.suppress(BaseException):
+            await pending
+        await events.aclose()
+
+
+async def cut_after(events: AsyncGenerator[bytes, None], limit: int, scope: Scope,
+                    half: bool = False) -> AsyncGenerator[bytes, None]:
+    """Pass ``limit`` events on (and with ``half``, the first half of the next one), then drop the connection (the
+    stream-break fault)."""
     sent = 0
-    if limit > 0:
+    if limit > 0 or half:
         async for event in events:
+            if sent >= limit:   # half
+                yield event[: len(event) // 2]
+                break
             yield event
             sent += 1
-            if sent >= limit:
+            if sent >= limit and not half:
                 break
         else:
             return  # the stream was shorter than the limit: it ends normally
@@ -113,9 +144,11 @@ async def run_task(request: Request, params: TaskParams, shape: Shape, stream: b
             gen.release()
         return json_response(shape.body(gen))
     events = shape.events(gen)
+    if params.sse_ping_interval > 0:
+        events = pinging(events, params.sse_ping_interval)
     cut = state.faults.take_stream_break()
     if cut is not None:
-        events = cut_after(events, cut, request.scope)
+        events = cut_after(events, cut, request.scope, state.faults.stream_break_half)
     return SlotStreamingResponse(events, gen.release)
 
 

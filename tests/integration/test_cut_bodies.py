@@ -209,13 +209,37 @@ def test_a_backend_error_passes_on_as_it_came(start_backend: Any, start_proxy: A
 
 
 @pytest.mark.parametrize("coalesced", [False, True])
-def test_a_stream_cut_halfway_through_an_event_ends_with_whole_events(start_backend: Any, start_proxy: Any,
-                                                                        coalesced: bool) -> None:
-    """The stand-in sends half of its first event and cuts the connection: the client (and a coalesced follower)
-    gets whole events only, the last one lpcache's error, never half an event glued to the error event."""
+def test_a_stream_cut_halfway_through_its_first_event_is_tried_again(start_backend: Any, start_proxy: Any,
+                                                                       coalesced: bool) -> None:
+    """The stand-in sends half of its first event and cuts the connection: nothing of it went to the client (an
+    answer starts with its first whole event), so the request is sent again; the client (and a coalesced follower)
+    gets one whole answer."""
     a = start_backend(slots=2, gen_ms_per_token=20)
     proxy = start_proxy(a, request_timeout=2.0, coalesce_requests=coalesced)
     fault(a, body_cut=1)
+    body = {"messages": user(words(1, SMALL)), "stream": True, "max_tokens": 4}
+    with httpx.Client(base_url=proxy.url, timeout=30) as c1, httpx.Client(base_url=proxy.url, timeout=30) as c2:
+        with ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(lambda c: c.post("/v1/chat/completions", json=body), [c1, c2][:1 + coalesced]))
+    assert armed(a)["body_cut"] == 0
+    for r in answers:
+        assert r.status_code == 200 and r.content.endswith(b"data: [DONE]\n\n"), r.content
+        events = r.content[:-2].split(b"\n\n")
+        assert all(e.startswith(b"data: ") for e in events), r.content
+        assert not any("error" in orjson.loads(e[6:]) for e in events[:-1])
+    proxy.wait_finished(len(answers))
+    assert sum(rec.retries for rec in proxy.records) == 1   # the leader's one retry
+    all_free(proxy)
+
+
+@pytest.mark.parametrize("coalesced", [False, True])
+def test_a_stream_cut_halfway_through_an_event_ends_with_whole_events(start_backend: Any, start_proxy: Any,
+                                                                        coalesced: bool) -> None:
+    """The stand-in sends two whole events, half of the third, and cuts the connection: the client (and a coalesced
+    follower) gets whole events only, the last one lpcache's error, never half an event glued to the error event."""
+    a = start_backend(slots=2, gen_ms_per_token=20)
+    proxy = start_proxy(a, request_timeout=2.0, coalesce_requests=coalesced)
+    fault(a, stream_break_after=2, stream_break_count=1, stream_break_half=True)
     body = {"messages": user(words(1, SMALL)), "stream": True, "max_tokens": 4}
     with httpx.Client(base_url=proxy.url, timeout=30) as c1, httpx.Client(base_url=proxy.url, timeout=30) as c2:
         if coalesced:
@@ -223,7 +247,7 @@ def test_a_stream_cut_halfway_through_an_event_ends_with_whole_events(start_back
                 answers = list(pool.map(lambda c: c.post("/v1/chat/completions", json=body), [c1, c2]))
         else:
             answers = [c1.post("/v1/chat/completions", json=body)]
-    assert armed(a)["body_cut"] == 0
+    assert armed(a)["stream_break_after"] is None   # the fault did fire
     broken = 0
     for r in answers:
         assert r.status_code == 200 and r.content.endswith(b"\n\n"), r.content

@@ -565,14 +565,17 @@ def test_bad_input_cut_bodies_and_clients_that_leave_never_leave_a_slot_leased(
         err = r.json()["error"]
         assert set(err) == {"message", "type", "code"} and err["type"] == "invalid_request_error", err
     nothing_held(a)
-    # the backend cuts its answer halfway, streamed and not
-    for stream in (False, True):
-        httpx.post(f"{backend.url}/mock/faults", json={"body_cut": 1}).raise_for_status()
+    # the backend cuts its answer halfway, streamed and not: before anything went to the client (its one slot
+    # failed, nothing is left to try: 502), or after a stream's first events (it ends with an error event)
+    cut_first = {"body_cut": 1}
+    cut_later = {"stream_break_after": 2, "stream_break_count": 1, "stream_break_half": True}
+    for stream, faults in ((False, cut_first), (True, cut_first), (True, cut_later)):
+        httpx.post(f"{backend.url}/mock/faults", json=faults).raise_for_status()
         r = a.client.post("/v1/chat/completions", json={**chats.request(801, 200), "max_tokens": 40,
                                                         "stream": stream})
         sent[0] += 1
         assert "Traceback" not in r.text
-        if stream:
+        if faults is cut_later:
             assert r.status_code == 200 and "error" in r.text, r.text[-300:]
         else:
             assert r.status_code == 502 and r.json()["error"]["type"], r.text

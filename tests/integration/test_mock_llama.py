@@ -503,6 +503,33 @@ async def test_fault_stream_break(client: httpx.AsyncClient) -> None:
         assert (await read_events(r))[-1] == "[DONE]"
 
 
+async def test_fault_stream_break_halfway_through_an_event(client: httpx.AsyncClient) -> None:
+    await client.post("/mock/faults", json={"stream_break_after": 2, "stream_break_count": 1,
+                                            "stream_break_half": True})
+    raw = b""
+    with pytest.raises(httpx.RemoteProtocolError):
+        async with client.stream("POST", CHAT, json={"messages": USER, "stream": True, "id_slot": 0}) as r:
+            async for chunk in r.aiter_raw():
+                raw += chunk
+    whole, half = raw.rsplit(b"\n\n", 1)
+    assert whole.count(b"\n\n") == 1 and half.startswith(b"data: {") and not half.endswith(b"}")
+
+
+async def test_a_silent_stream_sends_keepalive_comments(make_mock: MakeMock) -> None:
+    """llama-server's `sse_ping_interval` (30 s by default; the stand-in's none unless asked): a `:` event after
+    that many seconds without one, during the prefill and between tokens."""
+    mock = make_mock(prefill_ms_per_token=20, gen_ms_per_token=150)
+    async with httpx.AsyncClient(base_url=mock.url, timeout=10) as c:
+        raw = (await c.post(CHAT, json={"messages": USER, "stream": True, "max_tokens": 3, "id_slot": 0,
+                                        "sse_ping_interval": 0.025})).content
+        quiet = (await c.post(CHAT, json={"messages": USER, "stream": True, "max_tokens": 3, "id_slot": 1})).content
+    assert b"\n\n:\n\n" not in b"\n\n" + quiet and quiet.endswith(b"data: [DONE]\n\n")
+    events = raw.split(b"\n\n")
+    assert events[0] == b":" and events[-2] == b"data: [DONE]"
+    tokens = [i for i, e in enumerate(events) if b'"content":"' in e]
+    assert len(tokens) == 3 and all(b":" in events[i - 1:i] for i in tokens[1:])   # a keep-alive before each
+
+
 async def test_fault_hang_until_client_gives_up(client: httpx.AsyncClient) -> None:
     await client.post("/mock/faults", json={"hang": 1})
     with pytest.raises(httpx.ReadTimeout):
