@@ -282,15 +282,21 @@ class UsageTable:
         keep = _as_set(keep)
         typical = self.typical()
         candidates: dict[str, Usage] = {}
+        every = True   # every entry not kept is a candidate
         for key, usage in self._entries.items():
             if len(candidates) >= self.sample:
+                every = False
                 break
             if key not in keep:
                 candidates[key] = usage
-        for usage in self._top(self._due, self._is_due, keep):
-            candidates.setdefault(usage.key, usage)
-        for usage in self._top(self._once, self._is_once, keep):
-            candidates.setdefault(usage.key, usage)
+        if every:   # the heaps' tops can add none: only their stale roots go, as `_top` drops them
+            self._drop_stale(self._due, self._is_due)
+            self._drop_stale(self._once, self._is_once)
+        else:
+            for usage in self._top(self._due, self._is_due, keep):
+                candidates.setdefault(usage.key, usage)
+            for usage in self._top(self._once, self._is_once, keep):
+                candidates.setdefault(usage.key, usage)
         worth = self.typical_worth()
         chosen = _victims(candidates.values(), now, max_count, max_bytes, keep, typical, worth, count, total)
         if len(chosen) == len(candidates) < count:
@@ -322,13 +328,18 @@ class UsageTable:
         usage = self._entries.get(item[1])
         return usage if usage is not None and usage.interval is None else None
 
+    @staticmethod
+    def _drop_stale(heap: list[tuple[float, str]], current: Callable[[tuple[float, str]], Usage | None]) -> None:
+        """The stale items at the root of a lazy heap go."""
+        while heap and current(heap[0]) is None:
+            heapq.heappop(heap)
+
     def _top(self, heap: list[tuple[float, str]], current: Callable[[tuple[float, str]], Usage | None],
              keep: Collection[str]) -> list[Usage]:
         """Up to SAMPLE current entries not kept from the top of a lazy heap: stale items at the root are dropped,
         then the heap is walked from the root, read-only, in order (a small heap of frontier positions), at most
         8 * SAMPLE items: O(SAMPLE log SAMPLE)."""
-        while heap and current(heap[0]) is None:
-            heapq.heappop(heap)
+        self._drop_stale(heap, current)
         found: list[Usage] = []
         seen: set[str] = set()
         frontier = [(heap[0], 0)] if heap else []

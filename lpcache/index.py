@@ -500,6 +500,14 @@ class MetaIndex:
         stays for the next start to reconcile."""
         self._saving.discard(key)
 
+    def unsaving(self, key: str) -> None:
+        """A save of `key` marked (`saving`) was given up before it was sent: the limits may delete it again, and its
+        marker goes (after the file operations queued so far, without waiting for them)."""
+        if not valid_key(key):
+            return
+        self._saving.discard(key)
+        self._io.submit(_unlink, self._marker_path(key))
+
     def _mark(self, key: str) -> None:
         try:
             with open(self._marker_path(key), "wb"):

@@ -298,10 +298,12 @@ class Saver:
     async def save_held(self, backend: Backend, slot: Slot, held: Content, record: RequestRecord | None) -> bool:
         """Save the slot's unsaved cache under its own name (it is about to be replaced); False when it failed."""
         model = RouterModels.slot_model(backend, held.model)
-        idle, tokens = await swap.idle_tokens(backend.client, slot.id, model)
+        idle, tokens, marked = await self.idle_and_marked(backend, slot, held, model)
         if not idle:
             return False
         if not swap.holds(backend.client, slot.id, held, tokens):
+            if marked:
+                self.index.unsaving(held.key)
             if slot.content is held:
                 slot.content = None
             return False
@@ -312,7 +314,7 @@ class Saver:
             return False
         if renamed is not held:
             slot.content = held = renamed
-        if held.session is None:
+        if held.session is None and not marked:
             await self.index.saving(held.key, backend.config.slot_save_path)   # reconciled at start if we stop here
         try:
             result, _ = await swap.save(backend.client, slot.id, held, self.folders[backend.index], model)
@@ -321,6 +323,34 @@ class Saver:
             raise
         self.saved_held(backend, slot, held, result, record)
         return result.ok
+
+    async def idle_and_marked(self, backend: Backend, slot: Slot, held: Content,
+                              model: str | None) -> tuple[bool, int | None, bool]:
+        """Wait until the server says the slot is idle, and what it holds then (`swap.idle_tokens`); a prefix cache
+        that keeps its own name (no ring of names) has its save marked (`index.saving`) while the server is first
+        asked, rather than after: both are waited for on the way of the request that needs the slot. A slot busy at
+        that first look gives the mark back and is waited for as `idle_tokens` waits (polled every
+        IDLE_POLL_SECONDS, IDLE_WAIT_SECONDS at most from the first look). Returns (idle, tokens, marked)."""
+        client = backend.client
+        if held.session is not None or self.ring is not None:
+            idle, tokens = await swap.idle_tokens(client, slot.id, model)
+            return idle, tokens, False
+        started = time.monotonic()
+        mark = asyncio.ensure_future(self.index.saving(held.key, backend.config.slot_save_path))   # see `save`
+        try:
+            idle, tokens = await swap.idle_tokens(client, slot.id, model, limit=0)
+            await mark
+        except BaseException:
+            mark.cancel()
+            self.index.unsaving(held.key)
+            raise
+        if idle:
+            return idle, tokens, True
+        self.index.unsaving(held.key)   # marked again once the slot is idle
+        await asyncio.sleep(swap.IDLE_POLL_SECONDS)
+        idle, tokens = await swap.idle_tokens(client, slot.id, model,
+                                              swap.IDLE_WAIT_SECONDS - (time.monotonic() - started))
+        return idle, tokens, False
 
     def saved_held(self, backend: Backend, slot: Slot, held: Content, result: SlotAction,
                    record: RequestRecord | None) -> None:

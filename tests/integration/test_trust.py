@@ -10,7 +10,9 @@ restored, a router caches in prefix mode, and a working set a little larger than
 from __future__ import annotations
 
 import json
+import os
 import socket
+import threading
 import time
 from typing import Any
 
@@ -22,7 +24,7 @@ from lpcache.config import BackendConfig
 from lpcache.index import prefix_file
 from lpcache.prefix import Prompt
 
-from ..conftest import Proxy
+from ..conftest import Proxy, user, words
 from .conftest import STAND_IN_FP, mock_stats
 
 PREFILL = 0.5   # ms per token on the stand-in: a restore pays (the stand-in's restores take about no time)
@@ -357,3 +359,43 @@ def test_files_and_slots_together_hold_a_working_set_that_only_fits_in_both(star
         assert len(proxy.pipeline.index) <= 2
     assert misses == [], "\n".join(map(str, misses))
     assert proxy.pipeline.index.lost == 0
+
+
+@pytest.mark.parametrize("foreign", ["running", "done"])
+def test_an_unsaved_cache_is_saved_only_from_an_idle_slot_that_holds_it(start_backend: Any, start_proxy: Any,
+                                                                        slot_dir: str, foreign: str,
+                                                                        caplog: Any) -> None:
+    """A client pins slot 0 directly (not through lpcache) while it holds an unsaved prefix cache (SAVE_POLICY=evict):
+    the next request's save of that cache is marked while the server is first asked about the slot; the slot is
+    busy (`running`: the mark is given back and the slot waited for, nothing sent to it meanwhile) or holds the
+    foreign request's tokens (`done`): nothing is saved under the cache's name, and no marker is left behind."""
+    backend = start_backend(slots=1, gen_ms_per_token=10)
+    proxy = start_proxy(backend, save_policy="evict")
+    a = proxy.push(user(words(1, 200)), max_tokens=2)
+    assert a.status_code == 200
+    [held] = [s.content for s in proxy.pipeline.pool.slots]
+    assert held is not None and held.dirty
+    done = threading.Event()
+
+    def direct() -> None:
+        httpx.post(f"{backend.url}/v1/chat/completions", timeout=30, json={
+            "messages": user("direct"), "max_tokens": 100 if foreign == "running" else 2, "id_slot": 0})
+        done.set()
+
+    thread = threading.Thread(target=direct)
+    thread.start()
+    if foreign == "running":
+        deadline = time.monotonic() + 10
+        while not any(s.get("is_processing") for s in httpx.get(f"{backend.url}/slots").json()):
+            assert time.monotonic() < deadline, "the direct request never ran"
+    else:
+        thread.join()
+    with caplog.at_level("INFO"):
+        r = proxy.push(user(words(2, 200)), max_tokens=2)
+    thread.join()
+    proxy.run(proxy.pipeline.index._run(lambda: None))   # the marker's deletion queued on the I/O thread is done
+    assert r.status_code == 200 and done.is_set()
+    assert any("save_skipped_not_held" in m and held.key in m for m in caplog.messages), caplog.messages
+    assert held.key not in proxy.pipeline.index and not os.path.exists(os.path.join(slot_dir, held.key))
+    assert not [n for n in os.listdir(proxy.settings.meta_dir) if n.endswith(".saving")]
+    assert mock_stats(backend)["slot_actions_while_busy"] == 0   # nothing was sent while the slot was busy

@@ -323,6 +323,42 @@ def test_the_table_ranks_a_bounded_number_of_entries(monkeypatch: pytest.MonkeyP
     assert calls >= n
 
 
+def test_a_table_of_at_most_sample_entries_ranks_them_all_without_walking_its_heaps(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no more entries than SAMPLE, every entry is a candidate: the heaps' tops are not walked (they could add
+    none), their stale roots go all the same, and the choice is the full ranking's at the table's typical interval
+    and worth. META_MAX=10 with files coming and going: most of the heaps' items are stale."""
+    rng = random.Random(5)
+    tbl = UsageTable()
+    walks = 0
+    real = UsageTable._top
+
+    def counting(self: UsageTable, *args: object) -> list[Usage]:
+        nonlocal walks
+        walks += 1
+        return real(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(UsageTable, "_top", counting)
+    for i in range(3000):
+        t = i * 3.0
+        if len(tbl) and rng.random() < 0.5:
+            tbl.use(rng.choice([u.key for u in tbl]), t + rng.random())
+        tbl.add(f"k{i}", rng.randrange(1, 100), t, worth=rng.choice([0.0, 1.0, 2.0]))
+        keep = {f"k{i}", *rng.sample([u.key for u in tbl], 1)}
+        over = len(tbl) > 10
+        expected = eviction._victims([u for u in tbl if u.key not in keep], t, 10, 0, keep, tbl.typical(),
+                                     tbl.typical_worth(), len(tbl), tbl.total_bytes)
+        chosen = tbl.victims(t, 10, 0, keep)
+        assert chosen == expected
+        if over:
+            assert all(tbl._is_due(h[0]) is not None for h in (tbl._due,) if h)
+            assert all(tbl._is_once(h[0]) is not None for h in (tbl._once,) if h)
+        for k in chosen:
+            tbl.remove(k)
+    assert len(tbl._once) > 100   # stale items, left in the heap as before
+    assert walks == 0
+
+
 def test_the_table_falls_back_to_the_full_ranking_when_the_candidates_are_not_enough() -> None:
     tbl = UsageTable(sample=2)
     for i in range(50):
