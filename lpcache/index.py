@@ -273,6 +273,7 @@ class MetaIndex:
         self._ends: dict[str, dict[int, str | set[str]]] = {}
         self._protected: dict[str, int] = {}
         self._saving: set[str] = set()   # keys whose save is out (`saving`) and not recorded yet: never deleted
+        self._unlinking: dict[str, int] = {}   # keys whose files a queued I/O job deletes (jobs per key)
         self._moved_on: OrderedDict[str, None] = OrderedDict()   # entries a later save continues (`_continued`)
         self._why: dict[str, str] = {}   # why an entry the limits removed goes, until its files are deleted
         # The keys of files an idle slot can give back (set by the slot filler: its own saved cache's, and those its
@@ -480,20 +481,25 @@ class MetaIndex:
         data = orjson.dumps(meta_document(entry, prompt.blocks))
         if self.publish is not None:
             self.publish(entry.key, data)
-        await self._run(self._write_and_delete, entry.key, data, removed)
+        await self._delete_files(entry.key, data, removed)
         return removed
 
     async def saving(self, key: str, slot_save_path: str | None) -> None:
         """A prefix-mode save of `key` is about to be sent: mark it in META_DIR first (`<key>.saving`), so a stop
-        before its meta file is written leaves a trace the next start reconciles (`reconcile`). Run after the file
-        deletions queued so far (one I/O thread): a save of a name the limits just deleted is never written while
-        its old file is being unlinked (the server would write into a deleted file)."""
+        before its meta file is written leaves a trace the next start reconciles (`reconcile`). When a queued I/O
+        job deletes this very name, after it (one I/O thread): a save of a name the limits just deleted is never
+        written while its old file is being unlinked (the server would write into a deleted file)."""
         if not valid_key(key):
             return
         if slot_save_path:
             self._folders.add(slot_save_path)
         self._saving.add(key)   # until `add` or `forget`: a deletion queued meanwhile would unlink the new file
-        await self._run(self._mark, key)
+        if key in self._unlinking:
+            await self._run(self._mark, key)
+        else:
+            # No queued job deletes this name: the marker (an empty file, no fsync) is made at once, not behind the
+            # meta files being written with an fsync (milliseconds on the way of the request whose slot this saves).
+            self._mark(key)
 
     def unmark(self, key: str) -> None:
         """A save of `key` was given up before its answer (a shutdown): the limits may delete it again; its marker
@@ -559,7 +565,7 @@ class MetaIndex:
             return
         self._remove(entry)
         self._why[key] = why
-        await self._run(self._write_and_delete, None, b"", [entry])
+        await self._delete_files(None, b"", [entry])
 
     def file_present(self, entry: MetaEntry, slot_save_path: str | None) -> bool | None:
         """Whether the entry's KV file is in the folder a server reads (None: the folder is not visible here)."""
@@ -586,7 +592,7 @@ class MetaIndex:
             if path is not None and _unlink(path):
                 log.info("kv_file_removed key=%s folder=%s reason=failed_save", key, slot_save_path)
 
-        await self._run(delete)
+        await self._tracked([key], delete)
 
     def disk_bytes(self, limit: int = 10000) -> int | None:
         """The size of the KV files of the entries (in the folders visible here): the disk the caches use.
@@ -705,7 +711,7 @@ class MetaIndex:
         """Delete what the limits say, now that nothing may be waiting to be restored (see `_over_limit`)."""
         removed = self._over_limit(keep="")
         if removed:
-            await self._run(self._write_and_delete, None, b"", removed)
+            await self._delete_files(None, b"", removed)
 
     def over(self) -> bool:
         """Beyond the limits (left so for a moment by a save while a restore was chosen: see `_limits`)."""
@@ -892,6 +898,27 @@ class MetaIndex:
     async def _run(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
 
+    async def _delete_files(self, key: str | None, data: bytes, removed: list[MetaEntry]) -> None:
+        await self._tracked([e.key for e in removed], self._write_and_delete, key, data, removed)
+
+    async def _tracked(self, keys: list[str], fn: Callable[..., None], *args: object) -> None:
+        """Run an I/O job that deletes the files of `keys`, counted in `_unlinking` until it has run (a marker of
+        one of those names waits for it: `saving`), even when the caller is cancelled meanwhile."""
+        for key in keys:
+            self._unlinking[key] = self._unlinking.get(key, 0) + 1
+        job = asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
+
+        def done(_: object) -> None:
+            for key in keys:
+                left = self._unlinking.get(key, 0) - 1
+                if left > 0:
+                    self._unlinking[key] = left
+                else:
+                    self._unlinking.pop(key, None)
+
+        job.add_done_callback(done)
+        await asyncio.shield(job)
+
     def _meta_path(self, key: str) -> str:
         return os.path.join(self.meta_dir, key + META_SUFFIX)
 
@@ -908,13 +935,9 @@ class MetaIndex:
         return found
 
     def _write_and_delete(self, key: str | None, data: bytes, removed: list[MetaEntry]) -> None:
-        if key is not None:
-            try:
-                os.makedirs(self.meta_dir, exist_ok=True)
-                write_atomic(self._meta_path(key), data)
-            except OSError as e:
-                log.warning("meta_write_failed key=%s reason=%s", key, e)
-            _unlink(self._marker_path(key))   # recorded (or not: the file is then unknown, never deleted)
+        """Delete the files of `removed`, then write `key`'s meta file (with an fsync) and drop its marker. The
+        deletions come first: they make the room the new file takes (the disk bound), and a stop before the meta
+        file is written leaves the marker, from which the next start deletes the unrecorded file."""
         for entry in removed:
             why = self._why.pop(entry.key, "redundant")
             if entry.key in self._entries:
@@ -924,6 +947,13 @@ class MetaIndex:
                 if _unlink(path):
                     log.debug("kv_file_removed key=%s folder=%s", entry.key, folder)
             log.info("meta_removed key=%s reason=%s", entry.key, why)
+        if key is not None:
+            try:
+                os.makedirs(self.meta_dir, exist_ok=True)
+                write_atomic(self._meta_path(key), data)
+            except OSError as e:
+                log.warning("meta_write_failed key=%s reason=%s", key, e)
+            _unlink(self._marker_path(key))   # recorded (or not: the file is then unknown, never deleted)
 
     def _bump_file(self, key: str, timestamp: float, uses: int, interval: float | None) -> None:
         path = self._meta_path(key)

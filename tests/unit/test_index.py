@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
 import time
 from dataclasses import replace
 
@@ -872,3 +874,31 @@ async def test_a_save_given_up_no_longer_shields_its_file_from_the_limits(make_i
     removed = await idx.add(b, URL, None)
     assert [e.key for e in removed] == [a.key]
     assert exists(idx._marker_path(a.key))   # left for the next start
+
+
+async def test_a_save_is_marked_at_once_unless_a_queued_job_deletes_its_very_name(make_index, folders) -> None:
+    """The marker of a save goes ahead of the meta files being written (an fsync each, on the one I/O thread):
+    only a save of a name whose deletion is queued waits for that deletion (the server would write into a file
+    being unlinked)."""
+    a, _ = folders
+    idx = make_index(wpb=2, meta_max=1, slot_save_paths=[a])
+    idx.load()
+    first, second = prompt(text(7)), prompt(text(7, start=50))
+    kv_file(a, first.key)
+    await idx.add(first, URL, a)
+    gate = threading.Event()
+    blocker = asyncio.get_running_loop().run_in_executor(idx._io, gate.wait)   # the I/O thread is busy
+    kv_file(a, second.key)
+    adding = asyncio.create_task(idx.add(second, URL, a))   # META_MAX 1: deletes first's files, behind the blocker
+    await asyncio.sleep(0)
+    assert first.key not in idx and not adding.done()
+    other = "c" * 64
+    await asyncio.wait_for(idx.saving(other, a), 5)          # another name: marked at once
+    assert exists(os.path.join(idx.meta_dir, other + ".saving"))
+    again = asyncio.create_task(idx.saving(first.key, a))   # the name being deleted: after its deletion
+    await asyncio.sleep(0)
+    assert not again.done() and exists(os.path.join(a, first.key))
+    gate.set()
+    await asyncio.wait_for(asyncio.gather(blocker, adding, again), 5)
+    assert not exists(os.path.join(a, first.key))   # deleted, then marked for the new save
+    assert exists(os.path.join(idx.meta_dir, first.key + ".saving"))
