@@ -290,8 +290,9 @@ class Saver:
         record.saved, record.save_ms, record.save_file = result.ok, result.ms, content.key
         record.save_bytes = int_or_none(result.body.get("n_written"))
         if result.ok:
-            self.speeds.of(backend.index, RouterModels.served(backend, content.model)).save.add(
-                result.work_ms, int_or_none(result.body.get("n_saved")) or 0)
+            speeds = self.speeds.of(backend.index, RouterModels.served(backend, content.model))
+            speeds.save.add(result.work_ms, int_or_none(result.body.get("n_saved")) or 0)
+            speeds.learn_wait(result.ms, result.work_ms)
 
     # ---- what the slot held, saved before it is replaced ----
 

@@ -396,8 +396,9 @@ class SlotFiller:
         record.restore_bytes = int_or_none(result.body.get("n_read"))
         record.restored_tokens = int_or_none(result.body.get("n_restored"))
         if result.ok:
-            self.speeds.of(backend.index, RouterModels.served(backend, model)).restore.add(
-                result.work_ms, record.restored_tokens or 0)
+            speeds = self.speeds.of(backend.index, RouterModels.served(backend, model))
+            speeds.restore.add(result.work_ms, record.restored_tokens or 0)
+            speeds.learn_wait(result.ms, result.work_ms)
 
     async def swap_session(self, choice: Choice, backend: Backend, prompt: Prompt, want: Content,
                            record: RequestRecord) -> None:

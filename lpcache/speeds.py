@@ -9,6 +9,11 @@ decisions that need it take their safe default (restore; wait only for a slot th
 
 Identity blocks (`identity.BLOCK_CHARS` characters of canonical text) are turned into tokens with the characters
 per token seen on this backend (canonical text is JSON-escaped: a little longer than what the template renders).
+
+A `/slots` call also waits: llama-server runs it between two of its batches, so it waits for the batch under way
+(another slot's prefill: seconds on a CPU), and the request after it waits one more. That wait (`wait_ms`: the call's
+time less the server's own `save_ms` / `restore_ms`) is a fixed cost per call, whatever the file's size: a restore
+pays only when the prefill it spares beats it too, and a short prompt's file may not be worth its save.
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ class Speeds:
     generate: Rate = field(default_factory=lambda: Rate(min_tokens=MIN_DECODED, quantile=DECODE_QUANTILE))
     save: Rate = field(default_factory=Rate)
     chars_per_token: float | None = None
+    wait_ms: float | None = None   # a /slots call's wait for the server's batch under way (EWMA, ms), when measured
 
     @classmethod
     def new(cls) -> Speeds:
@@ -77,6 +83,13 @@ class Speeds:
         old = self.chars_per_token
         self.chars_per_token = value if old is None else (1 - ALPHA) * old + ALPHA * value
 
+    def learn_wait(self, call_ms: float, work_ms: float) -> None:
+        """A /slots call took `call_ms`, of which the server worked `work_ms` on the file: the rest was waiting."""
+        if call_ms <= 0 or work_ms <= 0 or work_ms > call_ms:
+            return   # the server did not say (a stand-in), or clocks disagree: nothing learnt
+        value = call_ms - work_ms
+        self.wait_ms = value if self.wait_ms is None else (1 - ALPHA) * self.wait_ms + ALPHA * value
+
     def tokens_of(self, blocks: int) -> float:
         """Tokens in `blocks` identity blocks, as far as this backend's ratio tells."""
         return blocks * BLOCK_CHARS / (self.chars_per_token or CHARS_PER_TOKEN)
@@ -87,11 +100,12 @@ class Speeds:
         p, r = self.prefill.ms_per_token, self.restore.ms_per_token
         if p is None or r is None:
             return True
-        return r * file_tokens < MARGIN * p * reused_tokens
+        return r * file_tokens + (self.wait_ms or 0.0) < MARGIN * p * reused_tokens
 
     def describe(self) -> dict[str, float | None]:
         return {"prefill_ms_per_token": self.prefill.ms_per_token, "restore_ms_per_token": self.restore.ms_per_token,
-                "generate_ms_per_token": self.generate.ms_per_token, "save_ms_per_token": self.save.ms_per_token}
+                "generate_ms_per_token": self.generate.ms_per_token, "save_ms_per_token": self.save.ms_per_token,
+                "slot_call_wait_ms": self.wait_ms}
 
 
 class SpeedBook:

@@ -2,26 +2,30 @@
 threshold or file count costs.
 
 A saved cache pays when a later request needs it from its file (its conversation came back, and neither a slot nor
-the server's RAM prompt cache still holds it) and reading it back is quicker than computing it again. Per token of
-the cache, on the backend and model that made it (`speeds`):
+the server's RAM prompt cache still holds it) and reading it back is quicker than computing it again. For a cache of
+T tokens, on the backend and model that made it (`speeds`, times per token; `wait`: what a /slots call waits for the
+server's batch under way):
 
-    worth saving  when  need x (prefill - restore)  >  MARGIN x save
+    worth saving  when  need x ((prefill - restore) x T - wait)  >  MARGIN x (save x T + wait)
 
 `need` is the share of prompts a later request continued while no slot and no RAM cache held them any more: learnt
 from the requests themselves (`ReturnWatch`), saved or not, so it does not depend on what was saved. MARGIN (2) keeps
 the costs a per-token rate leaves out on the side of not saving: a save stalls the whole server while it writes (every
-slot's request waits), the files take disk space, a request may come back before its file is needed. On a CPU or an
-Apple chip a token's prefill costs milliseconds and its save or restore microseconds: nearly every conversation's
-cache is saved, short turns included. On a GPU the prefill is as quick as the disk: nothing is, and no byte is written.
+slot's request waits), the files take disk space, a request may come back before its file is needed. The wait is a
+fixed cost per call: a cache whose prefill is shorter than what its save and restore wait for is not worth a file.
+On a CPU or an Apple chip a token's prefill costs milliseconds and its save or restore microseconds: nearly every
+conversation's cache is saved, short turns included. On a GPU the prefill is as quick as the disk: nothing is, and
+no byte is written. Where the server's RAM prompt cache serves the returns, few are needed from a file, and the waits
+of a save no longer pay: nothing is saved either.
 
 Before a save has been measured on a backend there is no save rate: a cache is then saved when its own prefill took at
 least PROBE_SECONDS, which is where a save cannot cost much in comparison on any disk, and is what teaches the rate.
 
 The same watch says what a fixed setting costs (`Worth.came_back`): a request that computes again a prefix an earlier
 request had, when that earlier cache was not saved because of BIG_THRESHOLD_WORDS (`threshold`), or was saved but its
-file is gone (`limit`: META_MAX or META_MAX_GIB deleted it), or `auto` judged it not worth a file (`not_worth`). In
-tokens and in seconds of prefill at the backend's speed; the first of each kind is logged once with the setting that
-would have caught it.
+file is gone (`limit`: META_MAX or META_MAX_GIB deleted it), or `auto` judged it not worth a file (`not_worth`),
+counted in tokens and in seconds of prefill at the backend's speed; the first of each kind is logged once with the
+setting that would have caught it.
 """
 
 from __future__ import annotations
@@ -160,7 +164,8 @@ class Worth:
         r = speeds.restore.ms_per_token
         if r is None:
             r = s   # reading a file back costs about what writing it did
-        worth = self.watch.rate() * (p - r) > MARGIN * s
+        wait = speeds.wait_ms or 0.0   # each /slots call waits for the server's batch under way
+        worth = self.watch.rate() * ((p - r) * tokens - wait) > MARGIN * (s * tokens + wait)
         return self._count(worth, "worth" if worth else "not_worth")
 
     @staticmethod

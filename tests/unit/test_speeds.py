@@ -45,3 +45,19 @@ def test_the_generation_rate_is_not_taken_from_answers_that_waited_for_another_s
     for _ in range(20):   # a server that really got slower: the rate follows within the recent measures
         s.generate.add(300.0 * 8, 8)
     assert s.generate.ms_per_token == 300.0
+
+
+def test_a_slot_call_s_wait_is_learnt_apart_from_its_work_and_counted_by_the_restore_decision() -> None:
+    s = Speeds.new()
+    s.prefill.add(1000.0, 1000)              # 1 ms a token
+    s.restore.add(10.0, 1000)                # 0.01 ms a token
+    assert s.restore_pays(1000, 100)         # 10 ms for 100 ms of prefill
+    s.learn_wait(call_ms=310.0, work_ms=10.0)
+    assert s.wait_ms == 300.0
+    assert not s.restore_pays(1000, 100)     # ... but the call also waits 300 ms for the server's batch
+    assert s.restore_pays(1000, 400)
+    s.learn_wait(call_ms=5.0, work_ms=5.0)   # the server said nothing of its own time: the call's time is all work
+    assert s.wait_ms is not None and s.wait_ms < 300.0
+    before = s.wait_ms
+    s.learn_wait(call_ms=0.0, work_ms=3.0)   # nonsense (clocks): nothing learnt
+    assert s.wait_ms == before
