@@ -139,8 +139,9 @@ def select(items: Sequence[dict[str, Any]], n: int, seed: int, *, min_turns: int
            count: Callable[[Sequence[str]], int] | None = None) -> list[Conversation]:
     """`n` conversations (fewer when fewer qualify) in a seeded order: starting with a human turn, `min_turns` to
     `max_turns` human turns, each with text (not only whitespace), whose tokens fit `budget`. `count(turns)` gives
-    the tokens of the last turn's prompt plus its answer and the earlier answers' room (`answer_tokens` each); it is
-    asked only when the byte bound does not already fit (default: the byte bound alone)."""
+    the tokens of the last turn's prompt plus the answers' room (`answer_tokens` each), by the server's template and
+    tokenizer; without it, `byte_bound` (which no byte-level BPE exceeds, so a conversation it lets in fits either
+    way, and the two choose alike but for the long ones only a real count lets in)."""
     eligible = []
     for item in items:
         turns = human_turns(item)
@@ -155,13 +156,9 @@ def select(items: Sequence[dict[str, Any]], n: int, seed: int, *, min_turns: int
             break
         if cid in seen:   # the file has a few ids twice
             continue
-        tokens = byte_bound(turns, answer_tokens)
+        tokens = byte_bound(turns, answer_tokens) if count is None else count(turns)
         if tokens > budget:
-            if count is None:
-                continue
-            tokens = count(turns)
-            if tokens > budget:
-                continue
+            continue
         seen.add(cid)
         answers = [m["value"] for m in item["conversations"][1::2]]
         chosen.append(Conversation(cid, list(turns), tokens, answers))

@@ -90,8 +90,9 @@ SESSION_HEADER = "X-Session-ID"
 # lpcache's /metrics samples kept for a run: what it says about saves, restores, their files, and the prefill a
 # save would have spared (names read at run time: new ones show up without a change here).
 LPCACHE_KEEP = ("save", "restore", "slot_file", "missed", "decision", "skip", "session_ids")
-# A priori rates for the duration estimate (2 shared cores, SmolLM2-135M, 2 slots); corrected after each run.
-PREFILL_TOK_S, DECODE_TOK_S, RUN_OVERHEAD_S = 150.0, 12.0, 40.0
+# A priori rates for the duration estimate, as measured by `--quick` on 2 cores shared with other work (load 4-5;
+# SmolLM2-135M, 2 slots, 8 requests in flight); corrected after each run by what the runs so far took.
+PREFILL_TOK_S, DECODE_TOK_S, RUN_OVERHEAD_S = 35.0, 3.5, 30.0
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -535,7 +536,7 @@ def lp(r: dict[str, Any], name: str, labels: dict[str, str] | None = None) -> fl
 
 
 def row(r: dict[str, Any]) -> list[object]:
-    name = r["label"] if r["variant"] != "auto" else "lpcache, auto"
+    name = f"{r['label']} (`{r['setup']}`)"
     if "skipped" in r:
         return [name, "yes" if r["sessions"] else "no", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-",
                 "skipped"]
@@ -626,6 +627,8 @@ def markdown(report: dict[str, Any], machine: str) -> str:
         "error or not JSON (aiperf skips those silently); saves (after answers and in the background), restores and "
         "bytes written from lpcache's `/metrics`. Token counts repeat from run to run; times do not: the machine's 2 "
         "cores are shared with other work (1-minute load before → after each run below).", "",
+        "The command (with session ids; without, the same less `--session-header X-Session-ID`):", "",
+        "```sh", "HF_HUB_OFFLINE=1 HF_HUB_CACHE=~/.cache/lpcache/aiperf-hf-hub " + report["command"], "```", "",
     ]
     for ram in RAMS:
         rows = [r for r in results if r["ram"] == ram]
@@ -636,8 +639,6 @@ def markdown(report: dict[str, Any], machine: str) -> str:
         if extra:
             lines += [*extra, ""]
     lines += [f"Runs: {loads}.", "",
-              "The command (with session ids; without, the same less `--session-header X-Session-ID`):", "",
-              "```sh", "HF_HUB_OFFLINE=1 HF_HUB_CACHE=~/.cache/lpcache/aiperf-hf-hub " + report["command"], "```", "",
               "![tokens computed over the ideal, and time to first token](bench-sharegpt.png)", "", END]
     return "\n".join(lines)
 
@@ -697,6 +698,14 @@ def merged(report: dict[str, Any], ran: Sequence[str]) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def write_docs(report: dict[str, Any], machine: str) -> None:
+    """The section of docs/benchmarks.md and the plot, from a report (this run's, or bench/results/sharegpt.json's
+    with `--render`)."""
+    plot(report["results"], PLOT)
+    replace_section(DOC, START, END, markdown(report, machine))
+    print(f"wrote {DOC.relative_to(REPO)}, {PLOT.relative_to(REPO)}, {RESULTS.relative_to(REPO)}")
+
+
 def _env_pair(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not key:
@@ -724,7 +733,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true",
                     help=f"a smoke run: 8 conversations, setups {QUICK_SETUPS}, no docs")
     ap.add_argument("--no-docs", action="store_true", help="print only; do not write docs/ and bench/results/")
+    ap.add_argument("--json", metavar="FILE", help="also write this invocation's figures to FILE")
+    ap.add_argument("--render", action="store_true",
+                    help="run nothing: write the docs section and the plot again from bench/results/sharegpt.json")
     args = ap.parse_args(argv)
+    if args.render:
+        write_docs(json.loads(RESULTS.read_text()), llama_machine_text(*llama_paths()))
+        return 0
     if args.quick:
         args.conversations, args.no_docs = 8, True
         if args.setups == DEFAULT_SETUPS:
@@ -804,14 +819,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         for line in notes(results):
             print(line)
         say(f"done in {minutes:.1f} minutes")
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1, ensure_ascii=False))
         if not args.no_docs:
             report["results"] = merged(report, [s.name for s in setups])
-            section = markdown(report, llama_machine_text(binary, gguf))
             RESULTS.parent.mkdir(parents=True, exist_ok=True)
             RESULTS.write_text(json.dumps(report, indent=1, ensure_ascii=False))
-            plot(report["results"], PLOT)
-            replace_section(DOC, START, END, section)
-            print(f"wrote {DOC.relative_to(REPO)}, {PLOT.relative_to(REPO)}, {RESULTS.relative_to(REPO)}")
+            write_docs(report, llama_machine_text(binary, gguf))
     finally:
         stop_run(work)
     return 1 if any(run_errors(r) for r in results if "skipped" not in r) else 0

@@ -122,19 +122,21 @@ def test_the_choice_is_deterministic_and_holds_its_limits() -> None:
     assert "sys" not in {c.id for c in sg.select(items, 1000, seed=1, budget=10**9)}
 
 
-def test_the_counter_is_asked_only_past_the_byte_bound() -> None:
+def test_a_real_count_keeps_the_byte_bound_choices_and_lets_long_ones_in() -> None:
     items = many(300)
     asked: list[int] = []
 
     def count(turns: Any) -> int:
-        asked.append(sg.byte_bound(turns, 32))
-        return 900                                  # as if the tokenizer packed four bytes a token
+        asked.append(len(turns))
+        return sg.byte_bound(turns, 32) // 4        # as if the tokenizer packed four bytes a token
 
-    chosen = sg.select(items, 40, seed=3, budget=1000, answer_tokens=32, count=count)
-    assert asked and all(bound > 1000 for bound in asked)
-    assert any(c.tokens == 900 for c in chosen)     # taken thanks to the counter
-    assert all(c.tokens <= 1000 for c in chosen)
-    assert len(chosen) > len(sg.select(items, 40, seed=3, budget=1000, answer_tokens=32))
+    bound = sg.select(items, 1000, seed=3, budget=1000, answer_tokens=32)
+    counted = sg.select(items, 1000, seed=3, budget=1000, answer_tokens=32, count=count)
+    assert {c.id for c in bound} < {c.id for c in counted}       # the same ones, and long ones besides
+    assert all(c.tokens == sg.byte_bound(c.turns, 32) // 4 <= 1000 for c in counted)
+    assert all(2 <= n <= 4 for n in asked)                         # asked only about eligible conversations
+    first = sg.select(items, 5, seed=3, budget=1000, answer_tokens=32, count=count)
+    assert [c.id for c in first] == [c.id for c in counted[:5]]   # the same order, cut at n
 
 
 def test_aiperf_lines_hold_the_human_turns_the_cap_and_the_think_time() -> None:
