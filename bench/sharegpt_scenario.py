@@ -40,7 +40,6 @@ Run: python bench/sharegpt_scenario.py [--conversations 64] [--seed 1] [--concur
 from __future__ import annotations
 
 import argparse
-import bisect
 import json
 import os
 import shlex
@@ -50,7 +49,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +58,7 @@ import httpx
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import sharegpt  # noqa: E402
 from _common import llama_machine_text, replace_section, stop_run, table  # noqa: E402
+from aiperf_records import fed_back, ideal_of_run, in_flight_max, log_problems, read_raw  # noqa: E402
 from aiperf_scenario import (  # noqa: E402
     _f,
     aiperf_paths,
@@ -74,7 +74,7 @@ from aiperf_scenario import (  # noqa: E402
 from replay import samples  # noqa: E402
 
 from lpcache.testing import REPO, LlamaServer, LpcacheProcess, llama_paths  # noqa: E402
-from lpcache.workload import prompt_tokens, shared  # noqa: E402
+from lpcache.workload import prompt_tokens  # noqa: E402
 
 DOC = REPO / "docs" / "benchmarks.md"
 RESULTS = REPO / "bench" / "results" / "sharegpt.json"
@@ -131,155 +131,6 @@ def parse_setup(name: str) -> Setup:
 def variant_text(variant: str) -> str:
     env = VARIANTS[variant]
     return ", ".join(f"`{k}={v}`" for k, v in env.items()) or "no setting changed"
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The ideal
-
-
-def ideal_counts(prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]]) -> list[int]:
-    """For each request (in the order sent), its prompt tokens that a cache remembering every earlier request's
-    prompt followed by its answer would still compute: the prompt's length minus the longest prefix it shares with
-    one of those. The earlier sequences are kept sorted: the longest prefix one shares with a new prompt is the one
-    its neighbours in that order share, so each request costs a binary search, not a pass over all."""
-    earlier: list[tuple[int, ...]] = []
-    out = []
-    for prompt, answer in zip(prompts, answers, strict=True):
-        key = tuple(prompt)
-        at = bisect.bisect_left(earlier, key)
-        best = max((shared(key, earlier[j]) for j in (at - 1, at) if 0 <= j < len(earlier)), default=0)
-        out.append(len(key) - best)
-        seen = key + tuple(answer)
-        bisect.insort(earlier, seen)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# aiperf's raw export
-
-
-@dataclass
-class Sent:
-    """One request as aiperf's raw export has it."""
-
-    conversation: str
-    turn: int
-    start_ns: int
-    end_ns: int
-    messages: list[dict[str, Any]]
-    answer: str = ""
-    status: int | None = None
-    error: str | None = None                 # aiperf's error record
-    not_json: list[str] = field(default_factory=list)       # streamed data lines that are not JSON
-    error_events: list[str] = field(default_factory=list)   # JSON events carrying an error
-    other_fields: list[str] = field(default_factory=list)   # SSE fields other than data
-    usage_prompt: int | None = None
-    prompt_n: int | None = None
-    cache_n: int | None = None
-
-
-def read_raw(out: Path) -> list[Sent]:
-    """Every request of aiperf's raw export (`--export-level raw`), in the order sent."""
-    files = [out / "profile_export_raw.jsonl"] if (out / "profile_export_raw.jsonl").is_file() else sorted(
-        (out / "raw_records").glob("*.jsonl"))
-    sent = []
-    for path in files:
-        for line in path.read_text().splitlines():
-            if line.strip():
-                sent.append(parse_record(json.loads(line)))
-    sent.sort(key=lambda s: s.start_ns)
-    return sent
-
-
-def parse_record(record: dict[str, Any]) -> Sent:
-    """A raw record: the messages as sent, and the streamed answer, read event by event (aiperf itself skips an
-    event that is not JSON without a word: here it is kept and counted)."""
-    meta = record.get("metadata") or {}
-    payload = record.get("payload") or {}
-    err = record.get("error")
-    error = None if not err else f"{err.get('type') or ''} {err.get('code') or ''}: {err.get('message')}".strip()
-    s = Sent(str(meta.get("conversation_id")), int(meta.get("turn_index") or 0),
-             int(meta.get("request_start_ns") or 0), int(meta.get("request_end_ns") or 0),
-             list(payload.get("messages") or []), status=record.get("status"), error=error)
-    parts = []
-    for response in record.get("responses") or []:
-        packets = response.get("packets")
-        if packets is None:   # a body that is not a stream (an error's JSON, say)
-            text = str(response.get("text") or "")
-            events = [text] if text else []
-        else:
-            events = []
-            for p in packets:
-                if p.get("name") == "data":
-                    events.append(p.get("value") or "")
-                else:
-                    s.other_fields.append(f"{p.get('name')}: {str(p.get('value'))[:120]}")
-        for data in events:
-            if data.strip() == "[DONE]":
-                continue
-            try:
-                obj = json.loads(data)
-            except ValueError:
-                s.not_json.append(data[:200])
-                continue
-            if not isinstance(obj, dict):
-                s.not_json.append(data[:200])
-                continue
-            if "error" in obj:
-                s.error_events.append(json.dumps(obj["error"], ensure_ascii=False)[:200])
-            for choice in obj.get("choices") or []:
-                piece = (choice.get("delta") or choice.get("message") or {}).get("content")
-                if isinstance(piece, str):
-                    parts.append(piece)
-            usage, timings = obj.get("usage"), obj.get("timings")
-            if isinstance(usage, dict) and usage.get("prompt_tokens") is not None:
-                s.usage_prompt = int(usage["prompt_tokens"])
-            if isinstance(timings, dict):
-                s.prompt_n, s.cache_n = timings.get("prompt_n"), timings.get("cache_n")
-    s.answer = "".join(parts)
-    return s
-
-
-def fed_back(sent: Sequence[Sent]) -> tuple[int, int]:
-    """(later turns checked, those whose messages are exactly the previous turn's messages, its answer as the
-    assistant's message, and the new human turn): aiperf feeding the server's own answers back."""
-    by = {(s.conversation, s.turn): s for s in sent}
-    checked = same = 0
-    for s in sent:
-        prev = by.get((s.conversation, s.turn - 1))
-        if s.turn == 0 or prev is None:
-            continue
-        checked += 1
-        want = prev.messages + ([{"role": "assistant", "content": prev.answer}] if prev.answer else [])
-        same += s.messages[:-1] == want and s.messages[-1].get("role") == "user"
-    return checked, same
-
-
-def in_flight_max(sent: Sequence[Sent]) -> int:
-    """The most requests aiperf had in flight at once."""
-    events = sorted([(s.start_ns, 1) for s in sent] + [(s.end_ns, -1) for s in sent])
-    now = top = 0
-    for _, step in events:
-        now += step
-        top = max(top, now)
-    return top
-
-
-def ideal_of_run(url: str, sent: Sequence[Sent]) -> dict[str, Any]:
-    """The run's prompts and answers as llama-server tokenizes them, and the ideal."""
-    with httpx.Client(timeout=60) as client:
-        prompts = [prompt_tokens(url, s.messages, client) for s in sent]
-        answers = []
-        for s in sent:
-            r = client.post(f"{url}/tokenize", json={"content": s.answer, "add_special": False})
-            r.raise_for_status()
-            answers.append([int(t) for t in r.json()["tokens"]])
-    ideal = ideal_counts(prompts, answers)
-    return {"ideal": sum(ideal), "tokenized_prompt": sum(map(len, prompts)), "answer_tokens": sum(map(len, answers)),
-            "usage_mismatches": sum(1 for s, p in zip(sent, prompts, strict=True)
-                                    if s.usage_prompt is not None and s.usage_prompt != len(p)),
-            "last_prompts": sum(len(p) + len(a) for s, p, a in zip(sent, prompts, answers, strict=True)
-                                if not any(o.conversation == s.conversation and o.turn > s.turn for o in sent))}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -463,7 +314,7 @@ def one_run(setup: Setup, args: argparse.Namespace, prep: Prepared, aiperf: str,
             "not_json_events": dict(Counter(x for s in sent for x in s.not_json)),
             "error_events": dict(Counter(x for s in sent for x in s.error_events)),
             "other_sse_fields": dict(Counter(x for s in sent for x in s.other_fields)),
-            "aiperf_log_problems": log_problems(work / "aiperf.log"),
+            "aiperf_log_problems": log_problems(out),
             "aiperf_exit": proc.returncode, "wall_s": round(wall, 1),
             "load_1m_before": round(load_before, 2), "load_1m_after": round(load_after, 2),
         }
@@ -472,19 +323,6 @@ def one_run(setup: Setup, args: argparse.Namespace, prep: Prepared, aiperf: str,
         return result
     finally:
         stop_run(work, proxy, server)
-
-
-def log_problems(path: Path) -> dict[str, int]:
-    """aiperf's own ERROR and WARNING lines, counted by text (time stamps left out)."""
-    out: Counter[str] = Counter()
-    for line in path.read_text(errors="replace").splitlines():
-        for level in (" - ERROR - ", " - WARNING - ", " - CRITICAL - "):
-            if level in line:
-                text = line.split(level, 1)[1].strip()
-                if "Event loop for" in text and "taking too long" in text:
-                    text = "Event loop ... is taking too long to run"
-                out[level.strip(" -") + ": " + text[:200]] += 1
-    return dict(out)
 
 
 def run_errors(r: dict[str, Any]) -> int:
@@ -576,6 +414,11 @@ def notes(results: Sequence[dict[str, Any]]) -> list[str]:
                     **{f"not JSON: {k}": v for k, v in (r.get("not_json_events") or {}).items()}}
         if problems:
             lines.append(f"- {who}: " + "; ".join(f"{n} x {k}" for k, v in sorted(problems.items()) for n in [v]) + ".")
+        fields = r.get("other_sse_fields") or {}
+        if fields:
+            lines.append(f"- {who}: {sum(fields.values())} streamed lines other than `data:` ("
+                         + "; ".join(f"{v} x `{k.strip()}`" for k, v in sorted(fields.items()))
+                         + "), not errors: an SSE reader skips them.")
         other = {k: v for k, v in (r.get("lpcache") or {}).items() if v and not k.startswith(
             ("lpcache_saves_total", "lpcache_restores_total{", "lpcache_slot_file_bytes_total"))}
         if other:
@@ -776,8 +619,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         say(f"lpcache: {source}")
         say("aiperf command: " + command_text(args, len(prep.conversations)))
         estimates = [estimate_s(s, prep, args) for s in setups]
-        say(f"expected: about {sum(estimates) / 60:.0f} minutes for {len(setups)} setups (at {PREFILL_TOK_S:.0f} "
-            f"prompt and {DECODE_TOK_S:.0f} answer tokens a second; other work on the machine slows it)")
+        say(f"expected: about {sum(estimates) / 60:.0f} minutes for {len(setups)} setup"
+            f"{'s' if len(setups) > 1 else ''} (at {PREFILL_TOK_S:g} prompt and {DECODE_TOK_S:g} answer tokens a "
+            "second, as on 2 cores shared with other work; a quiet machine is faster)")
         results: list[dict[str, Any]] = []
         spent = expected = 0.0
         for i, setup in enumerate(setups):

@@ -1,5 +1,6 @@
-"""The pure parts of bench/sharegpt.py and bench/sharegpt_scenario.py: the reader of a JSON list cut short, the
-choice of conversations, the ideal, and the reading of aiperf's raw records. No server."""
+"""The pure parts of bench/sharegpt.py, bench/aiperf_records.py and bench/sharegpt_scenario.py: the reader of a
+JSON list cut short, the choice of conversations, the ideal, the reading of aiperf's raw records, the listing of
+errors. No server."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def load(name: str) -> ModuleType:
 
 sg = load("sharegpt")
 sc = load("sharegpt_scenario")
+ar = load("aiperf_records")
 
 
 def item(cid: str, *turns: str, first: str = "human") -> dict[str, Any]:
@@ -158,11 +160,11 @@ def test_the_ideal_on_hand_made_tokens() -> None:
                [1, 2, 3, 4],              # the first prompt again: 0
                [7, 7]]                    # nothing shared: 2
     answers = [[5, 6], [10], [], [], [], []]
-    assert sc.ideal_counts(prompts, answers) == [4, 2, 1, 1, 0, 2]
+    assert ar.ideal_counts(prompts, answers) == [4, 2, 1, 1, 0, 2]
 
 
 def test_a_request_never_shares_with_its_own_answer() -> None:
-    assert sc.ideal_counts([[1, 2], [3]], [[3, 4], []]) == [2, 1]
+    assert ar.ideal_counts([[1, 2], [3]], [[3, 4], []]) == [2, 1]
 
 
 def brute(prompts: list[list[int]], answers: list[list[int]]) -> list[int]:
@@ -193,7 +195,7 @@ def test_the_ideal_matches_a_pass_over_every_earlier_request(seed: int) -> None:
             base = []
         prompts.append(base + [rnd.randint(0, 3) for _ in range(rnd.randint(0, 5))])
         answers.append([rnd.randint(0, 3) for _ in range(rnd.randint(0, 3))])
-    assert sc.ideal_counts(prompts, answers) == brute(prompts, answers)
+    assert ar.ideal_counts(prompts, answers) == brute(prompts, answers)
 
 
 # ------------------------------------------------------------------------------------------------ aiperf's records
@@ -217,7 +219,7 @@ def chunk(text: str) -> str:
 def test_a_record_gives_its_answer_and_lists_what_is_not_json() -> None:
     final = json.dumps({"choices": [], "usage": {"prompt_tokens": 12},
                         "timings": {"prompt_n": 3, "cache_n": 9}})
-    r = sc.parse_record(record("c", 1, 5, 9, [{"role": "user", "content": "q"}],
+    r = ar.parse_record(record("c", 1, 5, 9, [{"role": "user", "content": "q"}],
                                [sse(json.dumps({"choices": [{"delta": {"role": "assistant", "content": None}}]})),
                                 sse(chunk("Hel")), sse("not json {"), sse(chunk("lo")),
                                 sse(json.dumps({"error": {"message": "boom"}})), sse("keep-alive", name="comment"),
@@ -227,7 +229,7 @@ def test_a_record_gives_its_answer_and_lists_what_is_not_json() -> None:
     assert r.error_events == ['{"message": "boom"}']
     assert r.other_fields == ["comment: keep-alive"]
     assert (r.usage_prompt, r.prompt_n, r.cache_n) == (12, 3, 9)
-    failed = sc.parse_record(record("c", 0, 1, 2, [], [], error={"type": "ClientError", "code": 500,
+    failed = ar.parse_record(record("c", 0, 1, 2, [], [], error={"type": "ClientError", "code": 500,
                                                                  "message": "Server disconnected"}))
     assert failed.error == "ClientError 500: Server disconnected" and failed.answer == ""
 
@@ -239,10 +241,10 @@ def test_answers_fed_back_and_requests_in_flight(tmp_path: Path) -> None:
              record("d", 0, 5, 25, [q1], [sse(chunk("x"))]),
              record("d", 1, 26, 40, [q1, {"role": "assistant", "content": "not what it said"}, q2], [])]
     (tmp_path / "profile_export_raw.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
-    sent = sc.read_raw(tmp_path)
+    sent = ar.read_raw(tmp_path)
     assert [(s.conversation, s.turn) for s in sent] == [("c", 0), ("d", 0), ("c", 1), ("d", 1)]   # as sent
-    assert sc.fed_back(sent) == (2, 1)
-    assert sc.in_flight_max(sent) == 2
+    assert ar.fed_back(sent) == (2, 1)
+    assert ar.in_flight_max(sent) == 2
 
 
 # ------------------------------------------------------------------------------------------------ setups
@@ -264,3 +266,37 @@ def test_why_lpcache_did_not_start_names_the_variable() -> None:
            "exited with status 2\n")
     env = {"LLAMA_URL": "http://x", "META_DIR": "/m", "BIG_THRESHOLD_WORDS": "auto"}
     assert sc.start_reason(log, env).startswith("lpcache.config.ConfigError: BIG_THRESHOLD_WORDS='auto'")
+
+
+def test_every_error_is_counted_and_listed_and_lpcache_figures_are_read_by_label() -> None:
+    run = {"setup": "lpcache-defaults-ram0", "label": "lpcache, defaults", "ram": "ram0", "sessions": True,
+           "variant": "defaults", "requests": 10, "errors": 1, "computed": 50, "prompt_tokens": 90, "ideal": 40,
+           "x_ideal": 1.25, "ttft_p50_s": 1.0, "ttft_p90_s": 2.0, "ttft_later_turns_p50_s": 0.5, "duration_s": 9.0,
+           "error_list": {"ClientError 500: Server disconnected": 1},
+           "error_events": {'{"message": "all slots busy"}': 2}, "not_json_events": {": ping": 3},
+           "lpcache": {'lpcache_saves_total{result="ok"}': 7, 'lpcache_saves_total{result="failed"}': 1,
+                       'lpcache_background_saves_total{result="ok"}': 2,
+                       'lpcache_restores_total{result="ok"}': 4, 'lpcache_restores_total{result="failed"}': 1,
+                       'lpcache_slot_file_bytes_total{action="save"}': 3e6,
+                       'lpcache_slot_file_bytes_total{action="restore"}': 5e6,
+                       'lpcache_prefill_missed_tokens_total{kind="threshold"}': 123}}
+    assert sc.run_errors(run) == 6
+    cells = sc.row(run)
+    assert cells[3] == 6 and cells[-3:] == ["9", "4/1", "3"]
+    listed = "\n".join(sc.notes([run]))
+    for text in ("Server disconnected", "all slots busy", "not JSON: : ping", 'kind="threshold"'):
+        assert text in listed
+    skipped = {**{k: run[k] for k in ("setup", "label", "ram", "sessions", "variant")}, "skipped": "no auto yet"}
+    assert sc.row(skipped)[-1] == "skipped" and "no auto yet" in sc.notes([skipped])[0]
+
+
+def test_aiperf_log_problems_are_counted_by_text(tmp_path: Path) -> None:
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "aiperf.log").write_text(
+        "2026-12-02 05:09:07.539 - aiperf.metrics - WARNING - OSL mismatch: got 12 tokens\n"
+        "2026-12-02 05:09:08.001 - aiperf.metrics - WARNING - OSL mismatch: got 12 tokens\n"
+        "2026-12-02 05:09:09.000 - worker - ERROR - Failed to parse response\n"
+        "2026-12-02 05:09:10.000 - worker - INFO - fine\n")
+    assert ar.log_problems(tmp_path) == {"WARNING: OSL mismatch: got 12 tokens": 2,
+                                         "ERROR: Failed to parse response": 1}
+    assert ar.log_problems(tmp_path / "missing") == {}
