@@ -437,7 +437,7 @@ def notes(results: Sequence[dict[str, Any]]) -> list[str]:
 def markdown(report: dict[str, Any], machine: str) -> str:
     s, prep = report["settings"], report["prepare"]
     results = report["results"]
-    turns = Counter(len(c["turns"]) for c in prep["conversations"])
+    turns = Counter(c["turns"] if isinstance(c["turns"], int) else len(c["turns"]) for c in prep["conversations"])
     loads = "; ".join(f"{r['setup']} {r['date']}, commit {r['commit']}, load {r['load_1m_before']:.1f} → "
                       f"{r['load_1m_after']:.1f}" for r in results if "load_1m_before" in r)
     kv = prep["kv"]
@@ -663,7 +663,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "prepare": {"read_items": prep.read.items, "truncated": prep.read.truncated, "kv": prep.kv,
                         "working_set_tokens": prep.working_set_tokens, "small_mib": prep.small_mib,
                         "n_ctx": prep.n_ctx, "tokenizer_check": prep.tokenizer_check, "lpcache_source": source,
-                        "conversations": [{"id": c.id, "turns": c.turns, "tokens": c.tokens}
+                        "conversations": [{"id": c.id, "turns": len(c.turns), "tokens": c.tokens}
                                           for c in prep.conversations]},
             "results": results,
         }
