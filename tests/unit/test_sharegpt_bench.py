@@ -300,3 +300,18 @@ def test_aiperf_log_problems_are_counted_by_text(tmp_path: Path) -> None:
     assert ar.log_problems(tmp_path) == {"WARNING: OSL mismatch: got 12 tokens": 2,
                                          "ERROR: Failed to parse response": 1}
     assert ar.log_problems(tmp_path / "missing") == {}
+
+
+def test_setups_not_run_keep_their_last_figures_for_the_same_workload(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    settings: dict[str, Any] = {"answer_tokens": 32, "concurrency": 8, "think_ms": 0, "lpcache_env": {}}
+    prep = {"conversations": [{"id": "a", "turns": 2, "tokens": 9}], "small_mib": 117}
+    old = {"settings": settings, "prepare": prep,
+           "results": [{"setup": "lpcache-defaults-ram0", "old": True}, {"setup": "alone-ram0", "old": True}]}
+    monkeypatch.setattr(sc, "RESULTS", tmp_path / "sharegpt.json")
+    sc.RESULTS.write_text(json.dumps(old))
+    new: dict[str, Any] = {"settings": settings, "prepare": prep, "results": [{"setup": "alone-ram0", "old": False}]}
+    assert sc.merged(new, ["alone-ram0"]) == [{"setup": "alone-ram0", "old": False},
+                                              {"setup": "lpcache-defaults-ram0", "old": True}]
+    other = {**new, "settings": {**settings, "answer_tokens": 64}}
+    assert sc.merged(other, ["alone-ram0"]) == [{"setup": "alone-ram0", "old": False}]
