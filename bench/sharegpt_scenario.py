@@ -250,18 +250,6 @@ def start_reason(error: str, env: dict[str, str]) -> str:
     return (named or lines or ["no log"])[-1][:300]
 
 
-def lpcache_source() -> str:
-    """Which lpcache the runs start (`python -m lpcache` of this interpreter): its folder and commit."""
-    import lpcache
-
-    folder = Path(lpcache.__file__).resolve().parent.parent
-    head = subprocess.run(["git", "-C", str(folder), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", str(folder), "status", "--porcelain", "--", "lpcache"], capture_output=True,
-                           text=True)
-    commit = head.stdout.strip() or "?"
-    return f"{folder} at {commit}" + (" with uncommitted changes" if dirty.stdout.strip() else "")
-
-
 def commit_of() -> str:
     """The checkout's commit, and whether lpcache/ has changes not committed (the lpcache the runs start)."""
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
@@ -270,8 +258,14 @@ def commit_of() -> str:
     return (head.stdout.strip() or "?") + (" with uncommitted changes to lpcache/" if dirty.stdout.strip() else "")
 
 
-def one_run(setup: Setup, args: argparse.Namespace, prep: Prepared, aiperf: str, tokenizer: str, hub: str,
-            say: Callable[[str], None]) -> dict[str, Any]:
+def lpcache_source() -> str:
+    """Which lpcache the runs start: `python -m lpcache` of this interpreter, the checkout's (lpcache.testing's
+    REPO), at its commit."""
+    return f"{REPO} at {commit_of()}"
+
+
+def one_run(setup: Setup, args: argparse.Namespace, prep: Prepared, aiperf: str, tokenizer: str, hub: str
+            ) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="bench-sharegpt-"))
     server = proxy = None
     base: dict[str, Any] = {"setup": setup.name, "label": setup.label, "ram": setup.ram, "sessions": setup.sessions,
@@ -297,9 +291,12 @@ def one_run(setup: Setup, args: argparse.Namespace, prep: Prepared, aiperf: str,
         load_before = os.getloadavg()[0]
         before = computed_tokens(server.url)
         started = time.perf_counter()
-        with open(work / "aiperf.log", "w") as log:
-            proc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=offline_env(hub),
-                                  timeout=args.timeout)
+        try:
+            with open(work / "aiperf.log", "w") as log:
+                proc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=offline_env(hub),
+                                      timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            return {**base, "skipped": f"aiperf did not finish in {args.timeout:g} s (--timeout)"}
         wall = time.perf_counter() - started
         computed = computed_tokens(server.url) - before
         load_after = os.getloadavg()[0]
@@ -636,7 +633,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             say(f"{setup.name}: {setup.label}, {ram_title(setup.ram, {'small_mib': prep.small_mib})}, session ids "
                 f"{'yes' if setup.sessions else 'no'}")
             run_started = time.perf_counter()
-            r = one_run(setup, args, prep, aiperf, tokenizer, hub, say)
+            r = one_run(setup, args, prep, aiperf, tokenizer, hub)
             took = time.perf_counter() - run_started
             results.append(r)
             if "skipped" in r:
