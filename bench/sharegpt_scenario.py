@@ -78,6 +78,7 @@ from aiperf_scenario import (  # noqa: E402
 )
 from replay import samples  # noqa: E402
 
+from lpcache.config import OPTIONS  # noqa: E402
 from lpcache.testing import REPO, LlamaServer, LpcacheProcess, llama_paths  # noqa: E402
 from lpcache.workload import prompt_tokens  # noqa: E402
 
@@ -600,6 +601,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def say(message: str) -> None:
         print(f"[{time.perf_counter() - started:6.0f} s] {message}", flush=True)
+
+    # Each setup says its own lpcache settings: none inherited (`make bench` gives the other scenarios
+    # BIG_THRESHOLD_WORDS=auto in their environment; `defaults` here means none).
+    inherited = {o.env: os.environ.pop(o.env) for o in OPTIONS if o.env in os.environ}
+    if inherited:
+        say("lpcache settings in the environment, left out (use --lpcache-env): "
+            + ", ".join(f"{k}={v}" for k, v in inherited.items()))
 
     aiperf, python = aiperf_paths()
     version = subprocess.run([python, "-c", "from importlib.metadata import version; print(version('aiperf'))"],
