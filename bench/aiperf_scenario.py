@@ -108,19 +108,31 @@ def aiperf_argv(aiperf: str, url: str, tokenizer: str, out: str, args: argparse.
         "--conversation-turn-delay-mean", str(think_ms), "--conversation-turn-delay-stddev", "0",
         "--isl", str(args.user_tokens), "--isl-stddev", "0", "--osl", str(args.output_tokens),
         "--extra-inputs", "temperature:0", "--extra-inputs", "ignore_eos:true",
-        # Closed loop: at most `concurrency` conversations at once, a turn sent when the previous answer ends (plus
-        # the think time). The request rate only paces aiperf's scheduling loop: without one it spins on a CPU core
-        # the whole run (its "concurrency burst" mode), stolen from llama-server on a small machine; at 100 a second
-        # a turn waits at most 10 ms for the loop's next tick.
-        "--concurrency", str(args.concurrency), "--request-rate", "100", "--arrival-pattern", "constant",
-        "--random-seed", str(args.seed),
+        *loop_args(args.concurrency, args.seed), *output_args(out),
+    ]
+
+
+def loop_args(concurrency: int, seed: int) -> list[str]:
+    """aiperf's closed loop as the scenarios drive it: at most `concurrency` conversations at once (aiperf's
+    `--concurrency` is a count of sessions: a conversation holds its place from its first turn to the end of its
+    last, think times included), a turn sent when the previous answer ends (plus the think time)."""
+    return [
+        # The request rate only paces aiperf's scheduling loop: without one it spins on a CPU core the whole run
+        # (its "concurrency burst" mode), stolen from llama-server on a small machine; at 100 a second a turn waits
+        # at most 10 ms for the loop's next tick.
+        "--concurrency", str(concurrency), "--request-rate", "100", "--arrival-pattern", "constant",
+        "--random-seed", str(seed),
         # A new connection per request: with pooled keep-alive connections aiperf sends some requests on one the
         # server has just closed after its 5 s keep-alive timeout (llama-server's and uvicorn's), and counts the
         # "Server disconnected" as a failed request.
         "--connection-reuse-strategy", "never",
         "--workers-max", "1", "--record-processors", "1",
-        "--artifact-dir", out, "--ui", "none", "--no-server-metrics", "--no-gpu-telemetry",
     ]
+
+
+def output_args(out: str) -> list[str]:
+    """Where aiperf writes its exports, and nothing it does not need (no live UI, no metrics scraping)."""
+    return ["--artifact-dir", out, "--ui", "none", "--no-server-metrics", "--no-gpu-telemetry"]
 
 
 def scrape(url: str) -> str:

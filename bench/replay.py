@@ -175,6 +175,22 @@ def metric(text: str, name: str, labels: Mapping[str, str] | None = None) -> flo
     return total
 
 
+def samples(text: str, keep: Callable[[str], bool] = lambda name: True) -> dict[str, float]:
+    """Every sample of Prometheus text whose metric name `keep` accepts, as `name{labels}` (labels as written,
+    sorted) -> value: what a server exposes at run time, without a list of names to keep up to date."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m is None or line.startswith("#") or not keep(m.group(1)):
+            continue
+        labels = ",".join(f'{k}="{v}"' for k, v in sorted(_LABEL.findall(m.group(2) or "")))
+        try:
+            out[m.group(1) + (f"{{{labels}}}" if labels else "")] = float(m.group(3))
+        except ValueError:
+            continue
+    return out
+
+
 def folder_bytes(dirs: Sequence[str]) -> int:
     total = 0
     for top in dirs:

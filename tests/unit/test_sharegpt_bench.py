@@ -1,0 +1,317 @@
+"""The pure parts of bench/sharegpt.py, bench/aiperf_records.py and bench/sharegpt_scenario.py: the reader of a
+JSON list cut short, the choice of conversations, the ideal, the reading of aiperf's raw records, the listing of
+errors. No server."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import random
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module   # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
+
+
+sg = load("sharegpt")
+sc = load("sharegpt_scenario")
+ar = load("aiperf_records")
+
+
+def item(cid: str, *turns: str, first: str = "human") -> dict[str, Any]:
+    """A ShareGPT item alternating `first` and the other role, one message per text."""
+    roles = ("human", "gpt") if first == "human" else ("gpt", "human")
+    return {"id": cid, "conversations": [{"from": roles[i % 2], "value": t} for i, t in enumerate(turns)]}
+
+
+ITEMS = [
+    item("a_0", "Hello", "Hi!", "How are you?", "Fine."),
+    item("b_0", "Zoë says 日本語 🎉 \"quoted\" \\ back\nslash", "ok"),
+    item("c_1", "continued", "x", first="gpt"),
+    item("d_0", "```py\nprint('x')\n```", "code", "**bold** _md_", "y", "MiXeD CaSe", "z"),
+    item("e_0", "last one", "answer"),
+]
+
+
+def dumped(items: list[dict[str, Any]]) -> bytes:
+    return json.dumps(items, indent=2, ensure_ascii=False).encode()
+
+
+# ------------------------------------------------------------------------------------------------ the reader
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 1 << 20])
+def test_a_whole_file_gives_every_item(chunk: int) -> None:
+    stats = sg.ReadStats()
+    got = list(sg.read_conversations(io.BytesIO(dumped(ITEMS)), stats, chunk=chunk))
+    assert got == ITEMS
+    assert (stats.items, stats.truncated) == (5, False)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 4096])
+def test_a_file_cut_inside_an_item_keeps_the_whole_ones(chunk: int) -> None:
+    data = dumped(ITEMS)
+    cut = data.index(b'"d_0"') + 40          # inside the fourth item's first message
+    stats = sg.ReadStats()
+    got = list(sg.read_conversations(io.BytesIO(data[:cut]), stats, chunk=chunk))
+    assert got == ITEMS[:3]
+    assert stats.truncated and stats.items == 3 and stats.tail_chars > 0 and stats.error
+
+
+def test_a_cut_inside_a_multibyte_character_and_after_a_comma() -> None:
+    data = dumped(ITEMS)
+    inside = data.index("日本".encode()) + 1   # the middle of a 3-byte character of the second item
+    assert list(sg.read_conversations(io.BytesIO(data[:inside]), chunk=3)) == ITEMS[:1]
+    after_comma = data.index(b"\n  },", data.index(b'"b_0"')) + len(b"\n  },")   # the second item's end
+    stats = sg.ReadStats()
+    assert list(sg.read_conversations(io.BytesIO(data[:after_comma]), stats)) == ITEMS[:2]
+    assert stats.truncated
+
+
+def test_not_a_list_is_refused() -> None:
+    with pytest.raises(ValueError):
+        list(sg.read_conversations(io.BytesIO(b'{"id": 1}')))
+
+
+# ------------------------------------------------------------------------------------------------ the choice
+
+
+def many(n: int, seed: int = 7) -> list[dict[str, Any]]:
+    rnd = random.Random(seed)
+    out = []
+    for i in range(n):
+        turns = []
+        for _ in range(rnd.randint(1, 6)):
+            turns += [" ".join(rnd.choice(["word", "Ünïcode", "`code`", "# md"]) for _ in range(rnd.randint(1, 120))),
+                      "answer"]
+        out.append(item(f"id{i}", *turns, first=rnd.choice(["human", "human", "human", "gpt"])))
+    out.append(item("blank", "   ", "a", "second", "b"))            # a human turn of whitespace only
+    out.append({"id": "sys", "conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "h"}]})
+    return out
+
+
+def test_the_choice_is_deterministic_and_holds_its_limits() -> None:
+    items = many(300)
+    first = sg.select(items, 20, seed=1, budget=1500, answer_tokens=32)
+    again = sg.select(items, 20, seed=1, budget=1500, answer_tokens=32)
+    other = sg.select(items, 20, seed=2, budget=1500, answer_tokens=32)
+    assert [c.id for c in first] == [c.id for c in again]
+    assert [c.id for c in first] != [c.id for c in other]
+    assert len(first) == 20 and len({c.id for c in first}) == 20
+    by_id = {i["id"]: i for i in items}
+    for c in first:
+        source = by_id[c.id]["conversations"]
+        assert source[0]["from"] == "human"
+        assert 2 <= len(c.turns) <= 4
+        assert all(t.strip() for t in c.turns)
+        assert c.turns == [m["value"] for m in source[::2]]          # texts exactly as written
+        assert c.tokens == sg.byte_bound(c.turns, 32) <= 1500
+    assert "blank" not in {c.id for c in sg.select(items, 1000, seed=1, budget=10**9)}
+    assert "sys" not in {c.id for c in sg.select(items, 1000, seed=1, budget=10**9)}
+
+
+def test_a_real_count_keeps_the_byte_bound_choices_and_lets_long_ones_in() -> None:
+    items = many(300)
+    asked: list[int] = []
+
+    def count(turns: Any) -> int:
+        asked.append(len(turns))
+        return sg.byte_bound(turns, 32) // 4        # as if the tokenizer packed four bytes a token
+
+    bound = sg.select(items, 1000, seed=3, budget=1000, answer_tokens=32)
+    counted = sg.select(items, 1000, seed=3, budget=1000, answer_tokens=32, count=count)
+    assert {c.id for c in bound} < {c.id for c in counted}       # the same ones, and long ones besides
+    assert all(c.tokens == sg.byte_bound(c.turns, 32) // 4 <= 1000 for c in counted)
+    assert all(2 <= n <= 4 for n in asked)                         # asked only about eligible conversations
+    first = sg.select(items, 5, seed=3, budget=1000, answer_tokens=32, count=count)
+    assert [c.id for c in first] == [c.id for c in counted[:5]]   # the same order, cut at n
+
+
+def test_aiperf_lines_hold_the_human_turns_the_cap_and_the_think_time() -> None:
+    chosen = [sg.Conversation("x_0", ["Zoë?", "second"]), sg.Conversation("y_0", ["only", "two"])]
+    lines = [json.loads(line) for line in sg.aiperf_lines(chosen, 32, think_ms=250)]
+    assert lines[0] == {"session_id": "x_0", "turns": [{"text": "Zoë?", "output_length": 32},
+                                                         {"text": "second", "output_length": 32, "delay": 250}]}
+    assert "delay" not in json.dumps(sg.aiperf_lines(chosen, 32))
+
+
+# ------------------------------------------------------------------------------------------------ the ideal
+
+
+def test_the_ideal_on_hand_made_tokens() -> None:
+    prompts = [[1, 2, 3, 4],              # new: 4
+               [1, 2, 3, 4, 5, 6, 7, 8],  # the first, its answer [5, 6], then 2 new
+               [1, 2, 9],                 # shares [1, 2]: 1
+               [1, 2, 3, 4, 5, 9],        # shares the first prompt and its answer's first token: 1
+               [1, 2, 3, 4],              # the first prompt again: 0
+               [7, 7]]                    # nothing shared: 2
+    answers = [[5, 6], [10], [], [], [], []]
+    assert ar.ideal_counts(prompts, answers) == [4, 2, 1, 1, 0, 2]
+
+
+def test_a_request_never_shares_with_its_own_answer() -> None:
+    assert ar.ideal_counts([[1, 2], [3]], [[3, 4], []]) == [2, 1]
+
+
+def brute(prompts: list[list[int]], answers: list[list[int]]) -> list[int]:
+    out = []
+    for i, p in enumerate(prompts):
+        best = 0
+        for j in range(i):
+            seen = prompts[j] + answers[j]
+            n = 0
+            while n < min(len(p), len(seen)) and p[n] == seen[n]:
+                n += 1
+            best = max(best, n)
+        out.append(len(p) - best)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_ideal_matches_a_pass_over_every_earlier_request(seed: int) -> None:
+    rnd = random.Random(seed)
+    prompts: list[list[int]] = []
+    answers: list[list[int]] = []
+    for _ in range(40):
+        if prompts and rnd.random() < 0.7:   # a later turn of an earlier request, or a cut of one
+            j = rnd.randrange(len(prompts))
+            base = prompts[j] + answers[j]
+            base = base[:rnd.randint(0, len(base))]
+        else:
+            base = []
+        prompts.append(base + [rnd.randint(0, 3) for _ in range(rnd.randint(0, 5))])
+        answers.append([rnd.randint(0, 3) for _ in range(rnd.randint(0, 3))])
+    assert ar.ideal_counts(prompts, answers) == brute(prompts, answers)
+
+
+# ------------------------------------------------------------------------------------------------ aiperf's records
+
+
+def sse(*values: str, name: str = "data") -> dict[str, Any]:
+    return {"perf_ns": 1, "packets": [{"name": name, "value": v} for v in values]}
+
+
+def record(conversation: str, turn: int, start: int, end: int, messages: list[dict[str, Any]],
+           responses: list[dict[str, Any]], error: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"metadata": {"conversation_id": conversation, "turn_index": turn, "request_start_ns": start,
+                         "request_end_ns": end}, "payload": {"messages": messages}, "status": 200,
+            "responses": responses, **({"error": error} if error else {})}
+
+
+def chunk(text: str) -> str:
+    return json.dumps({"choices": [{"index": 0, "delta": {"content": text}}]})
+
+
+def test_a_record_gives_its_answer_and_lists_what_is_not_json() -> None:
+    final = json.dumps({"choices": [], "usage": {"prompt_tokens": 12},
+                        "timings": {"prompt_n": 3, "cache_n": 9}})
+    r = ar.parse_record(record("c", 1, 5, 9, [{"role": "user", "content": "q"}],
+                               [sse(json.dumps({"choices": [{"delta": {"role": "assistant", "content": None}}]})),
+                                sse(chunk("Hel")), sse("not json {"), sse(chunk("lo")),
+                                sse(json.dumps({"error": {"message": "boom"}})), sse("keep-alive", name="comment"),
+                                sse(final), sse("[DONE]")]))
+    assert (r.conversation, r.turn, r.answer) == ("c", 1, "Hello")
+    assert r.not_json == ["not json {"]
+    assert r.error_events == ['{"message": "boom"}']
+    assert r.other_fields == ["comment: keep-alive"]
+    assert (r.usage_prompt, r.prompt_n, r.cache_n) == (12, 3, 9)
+    failed = ar.parse_record(record("c", 0, 1, 2, [], [], error={"type": "ClientError", "code": 500,
+                                                                 "message": "Server disconnected"}))
+    assert failed.error == "ClientError 500: Server disconnected" and failed.answer == ""
+
+
+def test_answers_fed_back_and_requests_in_flight(tmp_path: Path) -> None:
+    q1, q2 = {"role": "user", "content": "first"}, {"role": "user", "content": "second"}
+    lines = [record("c", 1, 20, 30, [q1, {"role": "assistant", "content": "Hi"}, q2], [sse(chunk("Bye"))]),
+             record("c", 0, 0, 10, [q1], [sse(chunk("Hi"))]),
+             record("d", 0, 5, 25, [q1], [sse(chunk("x"))]),
+             record("d", 1, 26, 40, [q1, {"role": "assistant", "content": "not what it said"}, q2], [])]
+    (tmp_path / "profile_export_raw.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    sent = ar.read_raw(tmp_path)
+    assert [(s.conversation, s.turn) for s in sent] == [("c", 0), ("d", 0), ("c", 1), ("d", 1)]   # as sent
+    assert ar.fed_back(sent) == (2, 1)
+    assert ar.in_flight_max(sent) == 2
+
+
+# ------------------------------------------------------------------------------------------------ setups
+
+
+def test_setup_names() -> None:
+    assert sc.parse_setup("alone-ram0") == sc.Setup("alone-ram0", None, "ram0", True)
+    assert sc.parse_setup("lpcache-auto-ramsmall-nosid") == sc.Setup("lpcache-auto-ramsmall-nosid", "auto",
+                                                                      "ramsmall", False)
+    assert [sc.parse_setup(n).name for n in sc.DEFAULT_SETUPS.split(",")] == sc.DEFAULT_SETUPS.split(",")
+    for bad in ("alone", "lpcache-ram0", "lpcache-fast-ram0", "alone-ram9", "solo-ram0"):
+        with pytest.raises(ValueError):
+            sc.parse_setup(bad)
+
+
+def test_why_lpcache_did_not_start_names_the_variable() -> None:
+    log = ("lpcache failed to start; its log:\nTraceback (most recent call last):\n  ...\n"
+           "lpcache.config.ConfigError: BIG_THRESHOLD_WORDS='auto': invalid literal for int()\n"
+           "exited with status 2\n")
+    env = {"LLAMA_URL": "http://x", "META_DIR": "/m", "BIG_THRESHOLD_WORDS": "auto"}
+    assert sc.start_reason(log, env).startswith("lpcache.config.ConfigError: BIG_THRESHOLD_WORDS='auto'")
+
+
+def test_every_error_is_counted_and_listed_and_lpcache_figures_are_read_by_label() -> None:
+    run = {"setup": "lpcache-defaults-ram0", "label": "lpcache, defaults", "ram": "ram0", "sessions": True,
+           "variant": "defaults", "requests": 10, "errors": 1, "computed": 50, "prompt_tokens": 90, "ideal": 40,
+           "x_ideal": 1.25, "ttft_p50_s": 1.0, "ttft_p90_s": 2.0, "ttft_later_turns_p50_s": 0.5, "duration_s": 9.0,
+           "error_list": {"ClientError 500: Server disconnected": 1},
+           "error_events": {'{"message": "all slots busy"}': 2}, "not_json_events": {": ping": 3},
+           "lpcache": {'lpcache_saves_total{result="ok"}': 7, 'lpcache_saves_total{result="failed"}': 1,
+                       'lpcache_background_saves_total{result="ok"}': 2,
+                       'lpcache_restores_total{result="ok"}': 4, 'lpcache_restores_total{result="failed"}': 1,
+                       'lpcache_slot_file_bytes_total{action="save"}': 3e6,
+                       'lpcache_slot_file_bytes_total{action="restore"}': 5e6,
+                       'lpcache_prefill_missed_tokens_total{kind="threshold"}': 123}}
+    assert sc.run_errors(run) == 6
+    cells = sc.row(run)
+    assert cells[3] == 6 and cells[-3:] == ["9", "4/1", "3"]
+    listed = "\n".join(sc.notes([run]))
+    for text in ("Server disconnected", "all slots busy", "not JSON: : ping", 'kind="threshold"'):
+        assert text in listed
+    skipped = {**{k: run[k] for k in ("setup", "label", "ram", "sessions", "variant")}, "skipped": "no auto yet"}
+    assert sc.row(skipped)[-1] == "skipped" and "no auto yet" in sc.notes([skipped])[0]
+
+
+def test_aiperf_log_problems_are_counted_by_text(tmp_path: Path) -> None:
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "aiperf.log").write_text(
+        "2026-12-02 05:09:07.539 - aiperf.metrics - WARNING - OSL mismatch: got 12 tokens\n"
+        "2026-12-02 05:09:08.001 - aiperf.metrics - WARNING - OSL mismatch: got 12 tokens\n"
+        "2026-12-02 05:09:09.000 - worker - ERROR - Failed to parse response\n"
+        "2026-12-02 05:09:10.000 - worker - INFO - fine\n")
+    assert ar.log_problems(tmp_path) == {"WARNING: OSL mismatch: got 12 tokens": 2,
+                                         "ERROR: Failed to parse response": 1}
+    assert ar.log_problems(tmp_path / "missing") == {}
+
+
+def test_setups_not_run_keep_their_last_figures_for_the_same_workload(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    settings: dict[str, Any] = {"answer_tokens": 32, "concurrency": 8, "think_ms": 0, "lpcache_env": {}}
+    prep = {"conversations": [{"id": "a", "turns": 2, "tokens": 9}], "small_mib": 117}
+    old = {"settings": settings, "prepare": prep,
+           "results": [{"setup": "lpcache-defaults-ram0", "old": True}, {"setup": "alone-ram0", "old": True}]}
+    monkeypatch.setattr(sc, "RESULTS", tmp_path / "sharegpt.json")
+    sc.RESULTS.write_text(json.dumps(old))
+    new: dict[str, Any] = {"settings": settings, "prepare": prep, "results": [{"setup": "alone-ram0", "old": False}]}
+    assert sc.merged(new, ["alone-ram0"]) == [{"setup": "alone-ram0", "old": False},
+                                              {"setup": "lpcache-defaults-ram0", "old": True}]
+    other = {**new, "settings": {**settings, "answer_tokens": 64}}
+    assert sc.merged(other, ["alone-ram0"]) == [{"setup": "alone-ram0", "old": False}]
