@@ -42,6 +42,7 @@ from .config import BackendConfig, Settings
 from .errors import BackendError, ProxyError
 from .llama import LlamaClient
 from .plugins.registry import backend_client
+from .server_cache import RamWatch
 from .slots import Slot
 
 log = logging.getLogger("lpcache.backends")
@@ -120,7 +121,7 @@ class Backend:
     model_ids: tuple[str, ...] = ()  # what its /v1/models lists (a router: the models it can serve)
     model_fingerprints: dict[str, str] = field(default_factory=dict)  # router: per model
     suspect: bool = False      # something may have changed its slots behind lpcache (checked with GET /slots)
-    ram_cache: bool = False    # seen serving a prompt from its RAM prompt cache (--cache-ram): trusted for it
+    ram: RamWatch = field(default_factory=RamWatch)   # what its RAM prompt cache (--cache-ram) does with prompts
     saves_off: bool = False    # it answered a slot call 501 (no --slot-save-path): no saves, no restores until it
                                # is seen down and back (restarted, perhaps with the flag)
 

@@ -13,10 +13,14 @@ hit. Bounded: the oldest digests are forgotten.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import math
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 LIMIT = 200_000   # digests remembered (about 30 MB)
+RAM_WINDOW = 16              # the last requests left to a server's RAM cache, whose outcomes are weighed
+RAM_RETRY_SECONDS = 600.0    # outcomes older than this are forgotten: the server may have been restarted otherwise
+RAM_HIT_SHARE = 0.5          # cache_n at least this share of what the RAM should hold: it served the prompt
 
 
 class ServerCaches:
@@ -49,3 +53,43 @@ class ServerCaches:
             if backend is not None:
                 return backend, depth
         return None
+
+
+class RamWatch:
+    """Whether a server's RAM prompt cache serves the prompts lpcache leaves to it, from what it did with the last
+    ones (hits and misses, `seen`). A prompt is left to the RAM, rather than restored from a file, when the RAM's
+    expected cost, its miss rate times the prefill a miss costs, is below the restore's (`rely`). A server never
+    tried is tried once (a server started with `--cache-ram 0` costs one prefill to find out), then again once its
+    outcomes are RAM_RETRY_SECONDS old. The RAM of llama-server's default `--cache-ram` holds a few long
+    conversations of a real model: it serves some, and misses the others; a small model's fit: it serves all."""
+
+    def __init__(self) -> None:
+        self.outcomes: deque[tuple[float, bool]] = deque(maxlen=RAM_WINDOW)
+        self.tried_at = -math.inf
+
+    def seen(self, hit: bool, now: float) -> None:
+        self.outcomes.append((now, hit))
+
+    @property
+    def served(self) -> bool:
+        """It served a prompt from RAM lately (as far as the window remembers)."""
+        return any(hit for _, hit in self.outcomes)
+
+    def recent(self, now: float) -> list[bool]:
+        return [hit for t, hit in self.outcomes if now - t <= RAM_RETRY_SECONDS]
+
+    def rely(self, prefill_s: float | None, restore_s: float | None, now: float) -> bool:
+        """Whether to leave a prompt to the RAM rather than restore it from a file: a miss costs `prefill_s`, the
+        restore `restore_s` (None: unknown)."""
+        recent = self.recent(now)
+        if not recent:
+            if now - self.tried_at <= RAM_RETRY_SECONDS:
+                return False
+            self.tried_at = now   # untested (or long ago): try it, once
+            return True
+        misses = recent.count(False) / len(recent)
+        if misses == 0:
+            return True
+        if prefill_s is None or restore_s is None:
+            return False
+        return misses * prefill_s < restore_s

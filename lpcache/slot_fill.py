@@ -35,6 +35,7 @@ from .record import RequestRecord
 from .reuse import REUSE_MIN_TOKENS, REUSE_SHORT, ReuseWatch
 from .router_models import RouterModels
 from .saving import Saver, int_or_none, resavable, slot_files_off
+from .server_cache import RAM_HIT_SHARE
 from .sessions import SessionBook, route_name
 from .slots import Budget, Choice, Content, Slot, SlotPool, WaitPlan, Want, wait_plan
 from .speeds import SpeedBook, Speeds
@@ -271,6 +272,10 @@ class SlotFiller:
         record.backend, record.slot = self.backends[choice.slot.backend].url, choice.slot.id
         record.restore_skipped = choice.skipped or None
         record.route = ("waited_" if planned else "") + route_of(choice, want)
+        if choice.warm:
+            speeds = self.speeds.of(choice.slot.backend, RouterModels.served(self.backends[choice.slot.backend],
+                                                                             prompt.model))
+            record.ram_expected = speeds.tokens_of(choice.warm_blocks)
         if choice.restore is not None:
             c = choice.restore
             log.info("restore_candidate key=%s shared_blocks=%d of=%d ratio=%.3f exact=%s", c.entry.key[:16],
@@ -279,12 +284,24 @@ class SlotFiller:
 
     def warm(self, prompt: Prompt) -> tuple[int, int, bool] | None:
         """The server whose RAM prompt cache likely holds the longest prefix of the prompt (`server_cache`), how
-        much of it, and whether that server was seen serving from RAM (then it is trusted over a disk restore)."""
+        much of it, and whether its RAM is relied on over a disk restore (`RamWatch.rely`: its recent misses,
+        weighed by the prefill a miss costs, against a restore's time)."""
         found = self.server_caches.find(prompt.exact)
         if found is None:
             return None
         backend = self.backends[found[0]]
-        return found[0], found[1], backend.ram_cache
+        speeds = self.speeds.of(backend.index, RouterModels.served(backend, prompt.model))
+        return found[0], found[1], self.rely_on_ram(backend, speeds, found[1])
+
+    def rely_on_ram(self, backend: Backend, speeds: Speeds, blocks: int) -> bool:
+        """Whether to leave `blocks` of a prompt to the server's RAM prompt cache rather than restore them from a
+        file (`server_cache.RamWatch`)."""
+        tokens = speeds.tokens_of(blocks)
+        prefill = speeds.prefill.seconds(tokens)
+        restore = speeds.restore.seconds(tokens)
+        if restore is not None:
+            restore += (speeds.wait_ms or 0.0) / 1000.0
+        return backend.ram.rely(prefill, restore, time.monotonic())
 
     def session_homes(self, want: Content | None) -> frozenset[int]:
         """The backends whose slot-save folder has the session's file (where it was saved, or a folder shared with
@@ -410,6 +427,13 @@ class SlotFiller:
             gained = common_prefix(info.saved_chain, prompt.exact)
             restore = speeds.restore_pays(round(speeds.tokens_of(len(info.saved_chain))), speeds.tokens_of(gained))
             record.restore_skipped = not restore or None
+            found = self.server_caches.find(prompt.exact) if restore else None
+            if found is not None and found[0] == backend.index and found[1] >= gained and \
+                    self.rely_on_ram(backend, speeds, found[1]):
+                # the server's RAM likely holds the session's prompt: the pinned request finds it there
+                restore = False
+                record.ram_expected = speeds.tokens_of(found[1])
+                record.route = "session_server_ram"
         if not self.pool.ours(slot):
             slot.content = None
             return
@@ -462,15 +486,22 @@ class SlotFiller:
         speeds = self.speeds.of(backend.index, RouterModels.served(backend, prompt.model))
         # More from the cache than the slot's shared blocks hold, and more than all the slot held (it still holds
         # what it held, until the request's slot is released): the server's RAM prompt cache served it. A slot whose
-        # content lpcache does not know (another lpcache's, a restart's) may have held it itself: no sign then.
+        # content lpcache does not know (another lpcache's, a restart's) may have held it itself: no sign then. A
+        # prompt left to the RAM (`ram_expected`) that came back short is a miss of the RAM's.
         held = choice.slot.content
         explained = held is None or (held.tokens is not None and record.cache_n <= held.tokens)
-        if not record.restored and not backend.ram_cache and not explained and \
-                record.cache_n >= REUSE_MIN_TOKENS + speeds.tokens_of(choice.resident + 2):
-            backend.ram_cache = True
-            log.info("backend_ram_cache url=%s cache_n=%d: llama-server's RAM prompt cache served a prompt no slot "
-                     "held; what it likely holds is left to it rather than restored from disk", backend.url,
-                     record.cache_n)
+        now = time.monotonic()
+        served = not record.restored and not explained and \
+            record.cache_n >= REUSE_MIN_TOKENS + speeds.tokens_of(choice.resident + 2)
+        if record.ram_expected:
+            hit = not explained and record.cache_n >= RAM_HIT_SHARE * record.ram_expected
+            if not backend.ram.served and hit:
+                log.info("backend_ram_cache url=%s cache_n=%d: llama-server's RAM prompt cache served a prompt no "
+                         "slot held; what it likely holds is left to it rather than restored from disk while it "
+                         "does", backend.url, record.cache_n)
+            backend.ram.seen(hit, now)
+        elif served:
+            backend.ram.seen(True, now)
         if record.cache_hit and choice.resident:
             expected = speeds.tokens_of(choice.resident)
             if expected >= REUSE_MIN_TOKENS and record.cache_n < REUSE_SHORT * expected:

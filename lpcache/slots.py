@@ -94,7 +94,8 @@ class Choice:
     restore: Candidate | None = None
     resident: int = 0       # identity blocks of the prompt the slot already holds
     skipped: bool = False   # a saved cache held more, but restoring it would take longer than the prefill
-    warm: bool = False      # taken because the server's RAM prompt cache likely holds the prompt
+    warm: bool = False      # taken because the server's RAM prompt cache likely holds the prompt ...
+    warm_blocks: int = 0    # ... this many of its identity blocks
 
 
 Pays = Callable[[Slot, Candidate, int], bool]
@@ -114,9 +115,10 @@ def choose(idle: Sequence[Slot], prompt: Prompt | None, candidate: Candidate | N
        whose cache is on disk (`kept(file)`) or unknown first: a restore replaces a slot's cache without the server
        copying it to its RAM, so a cache held nowhere else would be lost.
     2. Else the slot that already holds the longest exact prefix of the prompt: no restore at all; unless the server
-       whose RAM prompt cache likely holds more of it (`warm`: backend, blocks, seen serving from RAM; see
-       `server_cache`) has an idle slot that holds something else, which is taken instead (a pinned request there
-       makes the server look in RAM).
+       whose RAM prompt cache likely holds more of it (`warm`: backend, blocks, and whether its RAM is relied on
+       over a file, `server_cache.RamWatch.rely`) has an idle slot that holds something else, which is taken
+       instead (a pinned request there makes the server look in RAM). A server whose RAM is relied on is taken so
+       before step 1 too, when its RAM likely holds as much as the saved cache.
     3. Else a never-used slot, else the least recently used one.
     Among slots that would compute (a restore's target, a prefill's), those of the least-loaded backend first
     (`load`: slots taken per backend, here and by other replicas): its compute is shared by fewer requests.
@@ -130,7 +132,7 @@ def choose(idle: Sequence[Slot], prompt: Prompt | None, candidate: Candidate | N
     best_slot, best_shared = resident(idle, prompt)
     ram = _warm_slot(idle, prompt, warm, best_shared)
     if ram is not None and warm is not None and warm[2] and candidate is not None and warm[1] >= candidate.shared:
-        return Choice(ram, None, 0, warm=True)   # the server's RAM has it (seen serving from RAM): no disk restore
+        return Choice(ram, None, 0, warm=True, warm_blocks=warm[1])   # left to the server's RAM: no disk restore
     if candidate is not None and candidate.shared > best_shared:
         readers = [s for s in idle if s.can_read(candidate)]
         if readers:
@@ -142,8 +144,8 @@ def choose(idle: Sequence[Slot], prompt: Prompt | None, candidate: Candidate | N
             if best_slot is not None:
                 return Choice(best_slot, None, best_shared, skipped=True)
             return Choice(_coldest(idle, load), None, 0, skipped=True)
-    if ram is not None:
-        return Choice(ram, None, 0, warm=True)
+    if ram is not None and warm is not None:
+        return Choice(ram, None, 0, warm=True, warm_blocks=warm[1])
     if best_slot is not None:
         return Choice(best_slot, None, best_shared)
     return Choice(_coldest(idle, load), None, 0)
@@ -152,12 +154,12 @@ def choose(idle: Sequence[Slot], prompt: Prompt | None, candidate: Candidate | N
 def _warm_slot(idle: Sequence[Slot], prompt: Prompt | None, warm: tuple[int, int, bool] | None,
                resident_blocks: int) -> Slot | None:
     """When the server whose RAM prompt cache likely holds more of the prompt than any idle slot (`warm`: backend,
-    blocks, whether that server was seen serving from RAM) has an idle slot holding something else: the one sharing
-    least with the prompt (the server looks in RAM when the slot shares under half of it)."""
+    blocks, whether its RAM is relied on) has an idle slot holding something else: the one sharing least with the
+    prompt (the server looks in RAM when the slot shares under half of it)."""
     if warm is None or prompt is None or warm[1] < resident_blocks + 2:
         return None
     if not warm[2] and warm[1] < max(1, math.ceil(RESIDENT_MIN_SHARE * len(prompt.exact))):
-        return None   # a server not seen serving from RAM may have none: only for a large part of the prompt
+        return None   # a server whose RAM is not relied on may not have it: only for a large part of the prompt
     there = [s for s in idle if s.backend == warm[0] and s.used and s.content is not None]
     if not there:
         return None

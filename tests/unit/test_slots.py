@@ -10,6 +10,7 @@ import pytest
 from lpcache.errors import ProxyError, SlotsBusy
 from lpcache.index import Candidate, MetaEntry
 from lpcache.prefix import Prompt
+from lpcache.server_cache import RAM_RETRY_SECONDS, RamWatch
 from lpcache.slots import Choice, Content, Slot, SlotPool, WaitPlan, Want, choose, wait_plan
 
 A, B = "http://a:8000", "http://b:8000"
@@ -683,3 +684,27 @@ async def test_a_request_whose_planned_wait_runs_out_keeps_its_turn_in_line() ->
     pool.release(got1.slot)
     pool.release(got3.slot)
     assert not any(s.busy for s in pool.slots) and pool.waiting == 0
+
+
+# ---- the server's RAM prompt cache: relied on over a file while it serves ----
+
+def test_a_server_s_ram_is_tried_once_then_relied_on_while_it_serves() -> None:
+    ram = RamWatch()
+    assert ram.rely(2.0, 0.05, now=0.0)            # never tried: try it
+    assert not ram.rely(2.0, 0.05, now=1.0)        # ... once, until an outcome comes
+    ram.seen(True, now=2.0)
+    assert ram.rely(2.0, 0.05, now=3.0) and ram.served
+    for t in range(4, 12):
+        ram.seen(True, now=float(t))
+    ram.seen(False, now=12.0)                      # a miss: 1 in 10 x 2 s of prefill > a 0.05 s restore
+    assert not ram.rely(2.0, 0.05, now=13.0)
+    assert ram.rely(0.2, 0.05, now=13.0)           # ... but a short prefill is worth the risk
+    assert not ram.rely(None, None, now=13.0)
+
+
+def test_a_server_without_a_ram_cache_costs_one_try_and_is_tried_again_much_later() -> None:
+    ram = RamWatch()
+    assert ram.rely(2.0, 0.05, now=0.0)
+    ram.seen(False, now=5.0)                       # --cache-ram 0: the prompt was computed
+    assert not any(ram.rely(2.0, 0.05, now=5.0 + t) for t in range(1, 100)) and not ram.served
+    assert ram.rely(2.0, 0.05, now=5.0 + RAM_RETRY_SECONDS + 1)   # the miss is forgotten: the server may have one now
