@@ -33,14 +33,27 @@ The tables go to docs/benchmarks.md (between the `sharegpt` markers), the plot t
 figures to bench/results/sharegpt.json; setups not run this time keep their last figures there when the workload is
 the same.
 
+The fast profile (`fast-VARIANT`, `-nosid` for no session ids): the same aiperf workload through lpcache in front of
+lpcache's stand-in llama-server (`python -m lpcache.mock_llama`, a process of its own) instead of llama-server,
+`--slots 2`, the probe's context a slot as `--n-ctx`, this CPU's prefill and generation times a token (measured on
+the probe llama-server during the preparation: a full prefill of the longest conversation's turns, no cache, and an
+answer of `--answer-tokens` tokens after it) divided by `--fast-factor` (100) as `--prefill-ms-per-token` and
+`--gen-ms-per-token`, and the measured KV bytes a token as `--kv-bytes-per-token` (its slot files weigh what
+llama-server's do, so saves and restores cost real disk time). It reports the prompt tokens the stand-in computed
+(`GET /mock/stats`, `prompt_tokens_computed`), lpcache's saves, restores, save decisions and the bytes its saves
+wrote (after the run, once lpcache is idle, plus what it saved when it stopped), and whether `auto` wrote no more than
+the defaults. No ideal and no time to first token for these: the stand-in's tokens are not llama-server's.
+
 The default setups are those the acceptance of issue 21 needs: alone with the three RAM settings; lpcache `auto`
 with the three, with session ids, and with `--cache-ram 0` without; lpcache `defaults` with `--cache-ram 0` and the
-default RAM cache. 2 to 5 minutes a setup on a quiet 2-core machine, about 30 minutes for the nine; 5 to 10 times
-that when other work loads the cores (20 to 25 minutes a setup at a load of 4 to 7). The script prints its estimate
-at start and the whole run's length at the end.
+default RAM cache; the fast profile with `defaults` and `auto`, with session ids. 2 to 5 minutes a setup on a quiet
+2-core machine, about 30 minutes for the nine on llama-server; 5 to 10 times that when other work loads the cores (20
+to 25 minutes a setup at a load of 4 to 7). The script prints its estimate at start and the whole run's length at the
+end.
 
 Run: python bench/sharegpt_scenario.py [--conversations 64] [--seed 1] [--concurrency 8] [--answer-tokens 32]
-     [--think-ms 0] [--setups alone-ram0,lpcache-auto-ram0,...] [--lpcache-env KEY=VALUE] [--quick] [--no-docs]
+     [--think-ms 0] [--setups alone-ram0,lpcache-auto-ram0,fast-auto,...] [--lpcache-env KEY=VALUE]
+     [--fast-factor 100] [--quick] [--no-docs]
 """
 
 from __future__ import annotations
@@ -53,9 +66,10 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +94,8 @@ from aiperf_scenario import (  # noqa: E402
 from replay import samples  # noqa: E402
 
 from lpcache.config import OPTIONS  # noqa: E402
-from lpcache.testing import REPO, LlamaServer, LpcacheProcess, llama_paths  # noqa: E402
+from lpcache.mock_llama.tokens import render_chat, tokenize  # noqa: E402
+from lpcache.testing import REPO, LlamaServer, LpcacheProcess, MockProcess, llama_paths  # noqa: E402
 from lpcache.workload import prompt_tokens  # noqa: E402
 
 DOC = REPO / "docs" / "benchmarks.md"
@@ -90,18 +105,24 @@ START, END = "<!-- sharegpt:start -->", "<!-- sharegpt:end -->"
 
 RAMS = ("ram0", "ramsmall", "ramdef")
 VARIANTS: dict[str, dict[str, str]] = {"defaults": {}, "auto": {"BIG_THRESHOLD_WORDS": "auto"}}
+FAST = "fast"   # the `ram` of the fast profile's setups: a stand-in, no llama-server and no RAM cache
 DEFAULT_SETUPS = ("alone-ram0,alone-ramsmall,alone-ramdef,lpcache-auto-ram0,lpcache-auto-ramsmall,lpcache-auto-ramdef,"
-                  "lpcache-auto-ram0-nosid,lpcache-defaults-ram0,lpcache-defaults-ramdef")
+                  "lpcache-auto-ram0-nosid,lpcache-defaults-ram0,lpcache-defaults-ramdef,fast-defaults,fast-auto")
 QUICK_SETUPS = "alone-ram0,lpcache-defaults-ram0"
 SESSION_HEADER = "X-Session-ID"
 # lpcache's /metrics samples kept for a run: what it says about saves, restores, their files, and the prefill a
 # save would have spared (names read at run time: new ones show up without a change here).
-LPCACHE_KEEP = ("save", "restore", "slot_file", "missed", "decision", "skip", "session_ids")
+LPCACHE_KEEP = ("save", "restore", "slot_file", "missed", "decision", "skip", "session_ids", "need_rate")
 # A priori rates for the duration estimate, as full runs measured them on a quiet 2-core machine (SmolLM2-135M, 2
 # slots, 8 requests in flight: `alone-ram0` 43,662 prompt and 5,400 answer tokens in 236 s, lpcache 20,593 and as
 # many answer tokens in 136 s); other work on the cores made the same runs 5 to 10 times slower. Corrected after
 # each run by what the runs so far took.
 PREFILL_TOK_S, DECODE_TOK_S, RUN_OVERHEAD_S = 230.0, 110.0, 30.0
+# The fast profile's runs: their prefill and decode are this CPU's divided by the factor, next to nothing; what takes
+# their time is aiperf, lpcache and the stand-in handling each request, and the slot files' writes and reads.
+FAST_REQUEST_S = 0.5
+# The stand-in's slots (llama-server's `-np 2` of the other setups), and the full prefills that measure this CPU.
+FAST_SLOTS, CPU_SAMPLES = 2, 2
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -110,15 +131,22 @@ PREFILL_TOK_S, DECODE_TOK_S, RUN_OVERHEAD_S = 230.0, 110.0, 30.0
 
 @dataclass(frozen=True)
 class Setup:
-    """One way of serving the workload: `alone-RAM` or `lpcache-VARIANT-RAM`, `-nosid` for no session ids."""
+    """One way of serving the workload: `alone-RAM`, `lpcache-VARIANT-RAM`, or `fast-VARIANT` (lpcache in front of
+    the fast stand-in), `-nosid` for no session ids."""
 
     name: str
     variant: str | None        # None: llama-server alone
-    ram: str                   # ram0, ramsmall, ramdef
+    ram: str                   # ram0, ramsmall, ramdef; FAST for the stand-in
     sessions: bool
 
     @property
+    def fast(self) -> bool:
+        return self.ram == FAST
+
+    @property
     def label(self) -> str:
+        if self.fast:
+            return f"lpcache, {self.variant}, fast stand-in"
         return "llama-server alone" if self.variant is None else f"lpcache, {self.variant}"
 
 
@@ -131,8 +159,10 @@ def parse_setup(name: str) -> Setup:
         return Setup(name.strip(), None, parts[1], sessions)
     if parts[:1] == ["lpcache"] and len(parts) == 3 and parts[1] in VARIANTS and parts[2] in RAMS:
         return Setup(name.strip(), parts[1], parts[2], sessions)
-    raise ValueError(f"setup {name!r}: write alone-RAM or lpcache-VARIANT-RAM, with -nosid for no session ids "
-                     f"(RAM: {', '.join(RAMS)}; VARIANT: {', '.join(VARIANTS)})")
+    if parts[:1] == [FAST] and len(parts) == 2 and parts[1] in VARIANTS:
+        return Setup(name.strip(), parts[1], FAST, sessions)
+    raise ValueError(f"setup {name!r}: write alone-RAM, lpcache-VARIANT-RAM or fast-VARIANT, with -nosid for no "
+                     f"session ids (RAM: {', '.join(RAMS)}; VARIANT: {', '.join(VARIANTS)})")
 
 
 def variant_text(variant: str) -> str:
@@ -172,6 +202,56 @@ def kv_bytes_per_token(server: LlamaServer, turns: Sequence[str], client: httpx.
             "bytes_per_token": int(body["n_written"]) / max(1, int(body["n_saved"]))}
 
 
+def cpu_speeds(url: str, turns: Sequence[str], answer_tokens: int, client: httpx.Client,
+               samples: int = CPU_SAMPLES) -> dict[str, Any]:
+    """This CPU's prefill and generation times a token on the probe llama-server: one conversation's human turns as
+    one prompt in slot 1, emptied first and sent with `cache_prompt: false` (a full prefill, nothing from a cache),
+    then an answer of `answer_tokens` tokens (`ignore_eos`): `timings.prompt_ms / prompt_n` and `predicted_ms /
+    predicted_n`, `samples` times, the quickest of each kept (the one other work on the cores slowed least)."""
+    messages = [{"role": "user", "content": "\n\n".join(turns)}]
+    runs = []
+    load_before = os.getloadavg()[0]
+    for _ in range(samples):
+        client.post(f"{url}/slots/1?action=erase").raise_for_status()
+        r = client.post(f"{url}/v1/chat/completions", json={
+            "messages": messages, "max_tokens": answer_tokens, "temperature": 0, "id_slot": 1, "cache_prompt": False,
+            "ignore_eos": True})
+        r.raise_for_status()
+        t = r.json()["timings"]
+        runs.append({k: t[k] for k in ("prompt_n", "prompt_ms", "predicted_n", "predicted_ms")})
+    return {**cpu_rates(runs, os.getloadavg()[0]), "load_1m_before": round(load_before, 2)}
+
+
+def cpu_rates(runs: Sequence[dict[str, Any]], load: float) -> dict[str, Any]:
+    """The quickest prefill and generation times a token of `runs` (llama-server's timings), and the runs."""
+    return {"prefill_ms_per_token": min(r["prompt_ms"] / max(1, r["prompt_n"]) for r in runs),
+            "gen_ms_per_token": min(r["predicted_ms"] / max(1, r["predicted_n"]) for r in runs),
+            "prompt_n": max(r["prompt_n"] for r in runs), "predicted_n": max(r["predicted_n"] for r in runs),
+            "runs": list(runs), "load_1m": round(load, 2)}
+
+
+def given_rates(text: str) -> dict[str, Any]:
+    """`--cpu-rates PREFILL_MS,GEN_MS`: this CPU's rates as given instead of measured."""
+    try:
+        prefill, gen = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: write PREFILL_MS,GEN_MS (ms a token, e.g. 3.2,21)") from None
+    if prefill <= 0 or gen <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: both rates must be above 0")
+    return {"prefill_ms_per_token": prefill, "gen_ms_per_token": gen, "given": True}
+
+
+def stand_in_tokens(turns: Sequence[str], answer_tokens: int) -> int:
+    """Tokens of a conversation's last prompt plus its answer on the stand-in (its template and toy tokenizer: a
+    token per word or symbol), each answer `answer_tokens` of its one-token words."""
+    messages: list[dict[str, Any]] = []
+    for i, text in enumerate(turns):
+        if i:
+            messages.append({"role": "assistant", "content": " ".join(["alpha"] * answer_tokens)})
+        messages.append({"role": "user", "content": text})
+    return len(tokenize(render_chat(messages))) + answer_tokens
+
+
 @dataclass
 class Prepared:
     conversations: list[sharegpt.Conversation]
@@ -182,6 +262,8 @@ class Prepared:
     n_ctx: int | None
     tokenizer_check: dict[str, Any]
     dataset: Path
+    cpu: dict[str, Any] = field(default_factory=dict)   # this CPU's rates (cpu_speeds)
+    stand_in_max_tokens: int = 0                        # the longest conversation on the stand-in
 
 
 def prepare(args: argparse.Namespace, work: Path, aiperf_python: str, tokenizer_folder: str, hub: str,
@@ -201,12 +283,14 @@ def prepare(args: argparse.Namespace, work: Path, aiperf_python: str, tokenizer_
         kv = kv_bytes_per_token(server, longest.turns, client)
         slots = client.get(f"{server.url}/slots").json()
         n_ctx = int(slots[0]["n_ctx"]) if isinstance(slots, list) and slots else None
+        cpu = args.cpu_rates or cpu_speeds(server.url, longest.turns, args.answer_tokens, client)
         check = check_tokenizer(aiperf_python, tokenizer_folder, server.url, hub)
     working = sum(c.tokens for c in chosen)
     small = max(1, round(kv["bytes_per_token"] * working / 5 / 2**20))
     dataset = work / "sharegpt-multi-turn.jsonl"
     dataset.write_text("\n".join(sharegpt.aiperf_lines(chosen, args.answer_tokens, args.think_ms)) + "\n")
-    return Prepared(chosen, stats, kv, working, small, n_ctx, check, dataset)
+    return Prepared(chosen, stats, kv, working, small, n_ctx, check, dataset, cpu,
+                    max(stand_in_tokens(c.turns, args.answer_tokens) for c in chosen))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -267,12 +351,48 @@ def lpcache_source() -> str:
     return f"{REPO} at {commit_of()}"
 
 
+def base_of(setup: Setup) -> dict[str, Any]:
+    return {"setup": setup.name, "label": setup.label, "ram": setup.ram, "sessions": setup.sessions,
+            "variant": setup.variant, "date": time.strftime("%Y-%m-%d %H:%M"), "commit": commit_of()}
+
+
+def run_aiperf(argv: Sequence[str], work: Path, hub: str, timeout: float) -> subprocess.CompletedProcess[bytes] | None:
+    """aiperf's run, its output in `work`/aiperf.log; None when it did not end within `timeout` seconds."""
+    try:
+        with open(work / "aiperf.log", "w") as log:
+            return subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=offline_env(hub), timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def no_results(work: Path, proc: subprocess.CompletedProcess[bytes]) -> dict[str, Any]:
+    tail = "\n".join((work / "aiperf.log").read_text(errors="replace").splitlines()[-30:])
+    return {"skipped": f"aiperf exited with {proc.returncode} and no results", "aiperf_log": tail}
+
+
+def sent_figures(sent: Sequence[Any], out: Path) -> dict[str, Any]:
+    """What aiperf's raw export says of a run's requests: answers fed back, requests in flight, every error."""
+    checked, same = fed_back(sent)
+    return {
+        "conversations": len({s.conversation for s in sent}),
+        "prompt_n_sum": sum(s.prompt_n or 0 for s in sent), "cache_n_sum": sum(s.cache_n or 0 for s in sent),
+        "in_flight_max": in_flight_max(sent), "answers_fed_back": [same, checked],
+        "empty_answers": sum(1 for s in sent if not s.answer),
+        "error_list": dict(Counter(s.error for s in sent if s.error)),
+        "not_json_events": dict(Counter(x for s in sent for x in s.not_json)),
+        "error_events": dict(Counter(x for s in sent for x in s.error_events)),
+        "other_sse_fields": dict(Counter(x for s in sent for x in s.other_fields)),
+        "aiperf_log_problems": log_problems(out),
+    }
+
+
 def one_run(setup: Setup, args: argparse.Namespace, prep: Prepared, aiperf: str, tokenizer: str, hub: str
             ) -> dict[str, Any]:
+    if setup.fast:
+        return fast_run(setup, args, prep, aiperf, tokenizer, hub)
     work = Path(tempfile.mkdtemp(prefix="bench-sharegpt-"))
     server = proxy = None
-    base: dict[str, Any] = {"setup": setup.name, "label": setup.label, "ram": setup.ram, "sessions": setup.sessions,
-                            "variant": setup.variant, "date": time.strftime("%Y-%m-%d %H:%M"), "commit": commit_of()}
+    base = base_of(setup)
     try:
         slots = str(work / "slots")
         cache_ram = cache_ram_of(setup.ram, prep.small_mib)
@@ -294,34 +414,21 @@ def one_run(setup: Setup, args: argparse.Namespace, prep: Prepared, aiperf: str,
         load_before = os.getloadavg()[0]
         before = computed_tokens(server.url)
         started = time.perf_counter()
-        try:
-            with open(work / "aiperf.log", "w") as log:
-                proc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=offline_env(hub),
-                                      timeout=args.timeout)
-        except subprocess.TimeoutExpired:
+        proc = run_aiperf(argv, work, hub, args.timeout)
+        if proc is None:
             return {**base, "skipped": f"aiperf did not finish in {args.timeout:g} s (--timeout)"}
         wall = time.perf_counter() - started
         computed = computed_tokens(server.url) - before
         load_after = os.getloadavg()[0]
         if not (out / "profile_export_aiperf.json").is_file():
-            tail = "\n".join((work / "aiperf.log").read_text(errors="replace").splitlines()[-30:])
-            return {**base, "skipped": f"aiperf exited with {proc.returncode} and no results", "aiperf_log": tail}
+            return {**base, **no_results(work, proc)}
         summary = read_aiperf(str(out))
         sent = read_raw(out)
-        checked, same = fed_back(sent)
         figures = ideal_of_run(server.url, sent)
         result: dict[str, Any] = {
             **base, "computed": computed, **summary, **figures,
             "x_ideal": round(computed / figures["ideal"], 3) if figures["ideal"] else None,
-            "conversations": len({s.conversation for s in sent}),
-            "prompt_n_sum": sum(s.prompt_n or 0 for s in sent), "cache_n_sum": sum(s.cache_n or 0 for s in sent),
-            "in_flight_max": in_flight_max(sent), "answers_fed_back": [same, checked],
-            "empty_answers": sum(1 for s in sent if not s.answer),
-            "error_list": dict(Counter(s.error for s in sent if s.error)),
-            "not_json_events": dict(Counter(x for s in sent for x in s.not_json)),
-            "error_events": dict(Counter(x for s in sent for x in s.error_events)),
-            "other_sse_fields": dict(Counter(x for s in sent for x in s.other_fields)),
-            "aiperf_log_problems": log_problems(out),
+            **sent_figures(sent, out),
             "aiperf_exit": proc.returncode, "wall_s": round(wall, 1),
             "load_1m_before": round(load_before, 2), "load_1m_after": round(load_after, 2),
         }
@@ -330,6 +437,150 @@ def one_run(setup: Setup, args: argparse.Namespace, prep: Prepared, aiperf: str,
         return result
     finally:
         stop_run(work, proxy, server)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The fast profile: lpcache in front of a stand-in --fast-factor times quicker than this CPU
+
+
+def stand_in_of(prep: Prepared, factor: float) -> dict[str, Any]:
+    """The stand-in's settings: this CPU's rates over `factor`, the probe's context a slot, a slot file a token
+    weighing what llama-server's does."""
+    cpu = prep.cpu
+    return {"slots": FAST_SLOTS, "n_ctx": prep.n_ctx or 8192, "fast_factor": factor,
+            "prefill_ms_per_token": round(cpu["prefill_ms_per_token"] / factor, 6),
+            "gen_ms_per_token": round(cpu["gen_ms_per_token"] / factor, 6),
+            "kv_bytes_per_token": round(prep.kv["bytes_per_token"])}
+
+
+def stand_in_argv(stand_in: dict[str, Any]) -> list[str]:
+    """The stand-in's flags (`--slots` and `--slot-save-path` are MockProcess's)."""
+    return ["--n-ctx", str(stand_in["n_ctx"]), "--prefill-ms-per-token", f"{stand_in['prefill_ms_per_token']:g}",
+            "--gen-ms-per-token", f"{stand_in['gen_ms_per_token']:g}",
+            "--kv-bytes-per-token", str(stand_in["kv_bytes_per_token"])]
+
+
+def mock_stats(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(url + "/mock/stats", timeout=30) as resp:
+        return dict(json.loads(resp.read()))
+
+
+SAVE_FIGURES = ("lpcache_saves_total", "lpcache_background_saves_total", "lpcache_slot_file_bytes_total",
+                "lpcache_background_save_bytes_total")
+
+
+def settle(url: str, timeout: float = 120.0, quiet: float = 2.0) -> bool:
+    """Wait until lpcache is idle once aiperf is done: no slot busy, nobody waiting, and its save figures the same
+    for `quiet` seconds (the save after the last answer is done). False when it is not within `timeout`."""
+    deadline = time.monotonic() + timeout
+    last: dict[str, float] | None = None
+    since = time.monotonic()
+    while time.monotonic() < deadline:
+        try:
+            figures = samples(scrape(url), lambda name: name in ("lpcache_slots_busy", "lpcache_waiting_requests")
+                              or name in SAVE_FIGURES)
+        except OSError:
+            return False
+        busy = sum(v for k, v in figures.items() if k.startswith(("lpcache_slots_busy", "lpcache_waiting_requests")))
+        saves = {k: v for k, v in figures.items() if k.startswith(SAVE_FIGURES)}
+        if busy or saves != last:
+            last, since = saves, time.monotonic()
+        elif time.monotonic() - since >= quiet:
+            return True
+        time.sleep(0.25)
+    return False
+
+
+def logged_saves(log: str) -> tuple[int, int]:
+    """(saves, bytes written) of lpcache's `slot_save ... ok tokens=N bytes=B` log lines: every slot save it asked
+    for, after answers, of what a slot held, in the background and at shutdown."""
+    n = written = 0
+    for line in log.splitlines():
+        if " slot_save url=" not in line:
+            continue
+        _, _, said = line.partition(": ok ")
+        pairs = dict(p.split("=", 1) for p in said.split() if "=" in p)
+        if "bytes" in pairs:
+            n += 1
+            written += int(pairs["bytes"]) if pairs["bytes"].isdigit() else 0
+    return n, written
+
+
+def save_verdicts(log: str) -> list[str]:
+    """lpcache's `save_verdict` lines (auto's verdict for a backend, logged when it changes), from the name on."""
+    return [line[line.index("save_verdict"):][:400] for line in log.splitlines() if "save_verdict " in line]
+
+
+def fast_run(setup: Setup, args: argparse.Namespace, prep: Prepared, aiperf: str, tokenizer: str, hub: str
+             ) -> dict[str, Any]:
+    """One run of the fast profile: lpcache (the setup's variant) in front of the stand-in, the same aiperf
+    workload; what lpcache saved and wrote, read once it is idle, and what it saved when it stopped."""
+    work = Path(tempfile.mkdtemp(prefix="bench-sharegpt-fast-"))
+    mock = proxy = None
+    base = base_of(setup)
+    try:
+        slots = work / "slots"
+        slots.mkdir()
+        stand_in = stand_in_of(prep, args.fast_factor)
+        base["stand_in"] = stand_in
+        mock = MockProcess(str(slots), n_slots=stand_in["slots"], extra=stand_in_argv(stand_in))
+        assert setup.variant is not None
+        env = {"LLAMA_URL": mock.url, "SLOT_SAVE_PATH": str(slots), "META_DIR": str(work / "meta"),
+               **VARIANTS[setup.variant], **dict(args.lpcache_env)}
+        base["lpcache_env"] = {k: v for k, v in env.items() if k not in ("LLAMA_URL", "SLOT_SAVE_PATH", "META_DIR")}
+        try:
+            proxy = LpcacheProcess(env)
+        except RuntimeError as e:
+            return {**base, "skipped": f"lpcache did not start: {start_reason(str(e), env)}"}
+        out = work / "aiperf"
+        argv = aiperf_argv(aiperf, proxy.url, tokenizer, str(prep.dataset), str(out), setup.sessions,
+                           len(prep.conversations), args)
+        load_before = os.getloadavg()[0]
+        before = mock_stats(mock.url)
+        started = time.perf_counter()
+        proc = run_aiperf(argv, work, hub, args.timeout)
+        if proc is None:
+            return {**base, "skipped": f"aiperf did not finish in {args.timeout:g} s (--timeout)"}
+        wall = time.perf_counter() - started
+        settled = settle(proxy.url)
+        figures = lpcache_figures(proxy.url)
+        during = mock_stats(mock.url)
+        saves_run, bytes_run = logged_saves(proxy.log_text())
+        proxy.stop()
+        after = mock_stats(mock.url)
+        log = proxy.log_text()
+        saves_all, bytes_all = logged_saves(log)
+        load_after = os.getloadavg()[0]
+        if not (out / "profile_export_aiperf.json").is_file():
+            return {**base, **no_results(work, proc)}
+        summary = read_aiperf(str(out))
+        sent = read_raw(out)
+        result: dict[str, Any] = {
+            **base, "computed": during["prompt_tokens_computed"] - before["prompt_tokens_computed"], **summary,
+            "ideal": None, "x_ideal": None, **sent_figures(sent, out),
+            "stand_in_stats": {k: during[k] - before[k] for k in ("chat_requests", "saves", "restores",
+                                                                  "save_failures", "restore_failures")},
+            "settled": settled, "lpcache": figures, "save_verdicts": save_verdicts(log),
+            # what lpcache saved as it stopped (slots whose cache was not on disk yet): after its /metrics were read
+            "shutdown": {"saves": after["saves"] - during["saves"], "logged_saves": saves_all - saves_run,
+                         "bytes": bytes_all - bytes_run},
+            # the same saves as lpcache's log has them when its /metrics were read (a check of those)
+            "logged": {"saves": saves_run, "bytes": bytes_run},
+            "aiperf_exit": proc.returncode, "wall_s": round(wall, 1),
+            "load_1m_before": round(load_before, 2), "load_1m_after": round(load_after, 2),
+        }
+        result["bytes_written"] = written_bytes(result)
+        return result
+    finally:
+        stop_run(work, proxy, mock)
+
+
+def written_bytes(r: dict[str, Any]) -> int:
+    """The bytes lpcache's saves wrote in a run: `lpcache_slot_file_bytes_total{action="save"}` and
+    `lpcache_background_save_bytes_total` once the run was done, plus (the fast profile) those it saved when it
+    stopped."""
+    return int((lp(r, "lpcache_slot_file_bytes_total", {"action": "save"}) or 0)
+               + (lp(r, "lpcache_background_save_bytes_total") or 0) + (r.get("shutdown") or {}).get("bytes", 0))
 
 
 def run_errors(r: dict[str, Any]) -> int:
@@ -344,14 +595,22 @@ def run_errors(r: dict[str, Any]) -> int:
 
 def estimate_s(setup: Setup, prep: Prepared, args: argparse.Namespace, scale: float = 1.0) -> float:
     """A rough duration of one run: prefill of what it will compute (all prompts for the server alone without a RAM
-    cache, about the ideal otherwise), the answers' decode, start and stop."""
+    cache, about the ideal otherwise), the answers' decode, start and stop. The fast profile's prefill and decode are
+    this CPU's measured rates over --fast-factor, spread on the stand-in's slots; its requests' handling dominates."""
     total = ideal = 0.0
     for c in prep.conversations:
         n = len(c.turns)
         total += c.tokens * (n + 1) / 2
         ideal += c.tokens
     computed = total if setup.variant is None and setup.ram == "ram0" else ideal * 1.2
-    decode = sum(len(c.turns) for c in prep.conversations) * args.answer_tokens
+    requests = sum(len(c.turns) for c in prep.conversations)
+    decode = requests * args.answer_tokens
+    if setup.fast:
+        cpu, factor = prep.cpu, args.fast_factor
+        compute_ms = (computed * cpu.get("prefill_ms_per_token", 1000 / PREFILL_TOK_S)
+                      + decode * cpu.get("gen_ms_per_token", 1000 / DECODE_TOK_S)) / factor / FAST_SLOTS
+        return scale * (compute_ms / 1000 + requests * FAST_REQUEST_S / min(args.concurrency, FAST_SLOTS)) \
+            + RUN_OVERHEAD_S
     return scale * (computed / PREFILL_TOK_S + decode / DECODE_TOK_S) + RUN_OVERHEAD_S
 
 
@@ -401,11 +660,135 @@ def row(r: dict[str, Any]) -> list[object]:
 
 
 def ram_title(ram: str, prep: dict[str, Any]) -> str:
+    if ram == FAST:
+        return "lpcache's stand-in llama-server, faster than this CPU (--fast-factor)"
     if ram == "ram0":
         return "`--cache-ram 0`: no RAM cache"
     if ram == "ramsmall":
         return f"`--cache-ram {prep['small_mib']}`: a RAM cache of about a fifth of the working set"
     return "llama-server's default `--cache-ram` (8192 MiB): the working set fits"
+
+
+FAST_HEADERS = ["setup", "session ids", "requests", "errors", "computed", "prompt", "saves", "restores ok/failed",
+                "bytes written", "save decisions", "need rate"]
+
+
+def decisions_text(r: dict[str, Any]) -> str:
+    """`lpcache_save_decisions_total` by decision (auto's), e.g. `probe_too_short 170, worth 4`; `-` when none."""
+    out = []
+    for key, value in sorted((r.get("lpcache") or {}).items()):
+        name, _, labels = key.partition("{")
+        if name == "lpcache_save_decisions_total" and value:
+            out.append(f"{labels.rstrip('}').partition('=')[2].strip(chr(34))} {value:g}")
+    return ", ".join(out) or "-"
+
+
+def fast_row(r: dict[str, Any]) -> list[object]:
+    """A row of the fast profile's table: no ideal, no time to first token (the stand-in's are not llama-server's)."""
+    name = f"{r['label']} (`{r['setup']}`)"
+    if "skipped" in r:
+        return [name, "yes" if r["sessions"] else "no", *["-"] * (len(FAST_HEADERS) - 3), "skipped"]
+    saves = (lp(r, "lpcache_saves_total", {"result": "ok"}) or 0) + (
+        lp(r, "lpcache_background_saves_total", {"result": "ok"}) or 0) + (r.get("shutdown") or {}).get("saves", 0)
+    ok = lp(r, "lpcache_restores_total", {"result": "ok"})
+    failed = lp(r, "lpcache_restores_total", {"result": "failed"})
+    need = lp(r, "lpcache_cache_need_rate")
+    return [name, "yes" if r["sessions"] else "no", r["requests"], run_errors(r), r["computed"], r["prompt_tokens"],
+            f"{int(saves)}", f"{int(ok or 0)}/{int(failed or 0)}", f"{written_bytes(r):,}", decisions_text(r),
+            "-" if need is None else f"{need:.2f}"]
+
+
+def fast_verdicts(results: Sequence[dict[str, Any]]) -> list[str]:
+    """Issue 21's item: on the fast profile, `auto` writes no more bytes than the default thresholds (with and
+    without session ids, for each pair measured)."""
+    lines = []
+    for sessions in (True, False):
+        pair = {r["variant"]: r for r in results if r["ram"] == FAST and r["sessions"] == sessions}
+        defaults, auto = pair.get("defaults"), pair.get("auto")
+        if defaults is None or auto is None:
+            continue
+        ids = "with session ids" if sessions else "without session ids"
+        if "skipped" in defaults or "skipped" in auto:
+            lines.append(f"- Verdict, {ids}: not measured (a run was skipped).")
+            continue
+        a, d = written_bytes(auto), written_bytes(defaults)
+        lines.append(f"- Verdict, {ids}: `auto` wrote {a:,} bytes ({a / 1e6:,.1f} MB), the default thresholds "
+                     f"{d:,} ({d / 1e6:,.1f} MB): auto writes no more than the defaults, "
+                     f"{'met' if a <= d else 'not met'}.")
+    return lines
+
+
+def fast_notes(results: Sequence[dict[str, Any]]) -> list[str]:
+    """What the fast table's rows do not show: saves at shutdown, the log's count against /metrics, auto's
+    verdict lines, a run not settled."""
+    lines = []
+    for r in results:
+        if r["ram"] != FAST or "skipped" in r:
+            continue
+        shutdown, logged = r.get("shutdown") or {}, r.get("logged") or {}
+        run_bytes = written_bytes(r) - shutdown.get("bytes", 0)
+        lines.append(f"- {r['setup']}: {run_bytes:,} bytes written during the run (lpcache's /metrics; its log says "
+                     f"{logged.get('bytes', 0):,} in {logged.get('saves', 0)} saves), {shutdown.get('bytes', 0):,} "
+                     f"in {shutdown.get('saves', 0)} saves as it stopped; the stand-in counted "
+                     f"{(r.get('stand_in_stats') or {}).get('saves', 0)} saves and "
+                     f"{(r.get('stand_in_stats') or {}).get('restores', 0)} restores during the run"
+                     + ("" if r.get("settled", True) else "; lpcache was still busy 2 minutes after the run") + ".")
+        for line in r.get("save_verdicts") or []:
+            lines.append(f"  - `{line}`")
+    return lines
+
+
+def cpu_text(prep: dict[str, Any]) -> str:
+    """This CPU's rates as the preparation measured them (empty for results measured before it did)."""
+    cpu = prep.get("cpu") or {}
+    if not cpu:
+        return ""
+    if cpu.get("given"):
+        return (f"This CPU's speeds, as given (`--cpu-rates`, not measured in this invocation): prefill "
+                f"{cpu['prefill_ms_per_token']:.3f} ms a token, generation {cpu['gen_ms_per_token']:.3f} ms a token.")
+    return (f"This CPU's speeds, measured on the probe llama-server (the quickest of {len(cpu['runs'])} runs, 1-minute "
+            f"load {cpu.get('load_1m_before', cpu['load_1m']):.1f} → {cpu['load_1m']:.1f}): prefill "
+            f"{cpu['prefill_ms_per_token']:.3f} ms a token (a full prefill of "
+            f"{cpu['prompt_n']:,} tokens, no cache: `timings.prompt_ms / prompt_n`), generation "
+            f"{cpu['gen_ms_per_token']:.3f} ms a token (an answer of {cpu['predicted_n']} tokens after it: "
+            "`predicted_ms / predicted_n`).")
+
+
+def fast_section(report: dict[str, Any]) -> list[str]:
+    """The fast profile's table and verdict, for the page (nothing when no fast run is in the results)."""
+    rows = [r for r in report["results"] if r["ram"] == FAST]
+    if not rows:
+        return []
+    prep = report["prepare"]
+    shown = next((r["stand_in"] for r in rows if "stand_in" in r), None)
+    factor = (shown or {}).get("fast_factor") or report["settings"].get("fast_factor", 100)
+    lines = [f"### Fast profile: a stand-in {factor:g} times faster than this CPU", ""]
+    if shown is not None:
+        lines += [
+            "The same aiperf workload (the command above) through lpcache in front of lpcache's own stand-in "
+            "llama-server (`python -m lpcache.mock_llama`, a process of its own) instead of llama-server: "
+            f"`--slots {shown['slots']} --n-ctx {shown['n_ctx']} --prefill-ms-per-token "
+            f"{shown['prefill_ms_per_token']:g} --gen-ms-per-token {shown['gen_ms_per_token']:g} "
+            f"--kv-bytes-per-token {shown['kv_bytes_per_token']}` and a fresh slot-save folder: this CPU's prefill "
+            f"and generation times a token divided by {factor:g}, and the KV bytes a token measured above (its slot "
+            "files weigh what llama-server's do, so saves and restores take real disk time). "
+            + cpu_text(prep) + " `defaults` changes no setting (`BIG_THRESHOLD_WORDS` 500, `META_MAX` 10), `auto` "
+            "sets " + variant_text("auto") + ".", "",
+            "The stand-in tokenizes with a toy tokenizer of its own (a token per word or symbol) and answers with "
+            "words of its own, so its token counts are not llama-server's: no ideal and no time to first token are "
+            "compared here, only what lpcache writes. `computed` is the prompt tokens the stand-in computed (`GET "
+            "/mock/stats`, `prompt_tokens_computed`, before and after the run); `prompt` all prompt tokens (the "
+            "answers' `usage`); saves (after answers, of what a slot held, in the background, and as lpcache "
+            "stopped) and restores from lpcache's `/metrics`; `bytes written` the bytes lpcache's saves wrote "
+            "(`lpcache_slot_file_bytes_total{action=\"save\"}` + `lpcache_background_save_bytes_total` once the "
+            "run was done and lpcache idle, plus the saves it made as it stopped, from its log); save decisions "
+            "`lpcache_save_decisions_total` (auto's only); need rate `lpcache_cache_need_rate` at the end.", "",
+        ]
+    lines += [table(FAST_HEADERS, [fast_row(r) for r in rows]), ""]
+    extra = [*fast_verdicts(rows), *notes(rows), *fast_notes(rows)]
+    if extra:
+        lines += [*extra, ""]
+    return lines
 
 
 def notes(results: Sequence[dict[str, Any]]) -> list[str]:
@@ -489,6 +872,7 @@ def markdown(report: dict[str, Any], machine: str) -> str:
         extra = notes(rows)
         if extra:
             lines += [*extra, ""]
+    lines += fast_section(report)
     lines += [f"Runs: {loads}.", "",
               "![tokens computed over the ideal, and time to first token](bench-sharegpt.png)", "", END]
     return "\n".join(lines)
@@ -500,7 +884,7 @@ def plot(results: Sequence[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    done = [r for r in results if "skipped" not in r]
+    done = [r for r in results if "skipped" not in r and r["ram"] in RAMS]   # the fast profile has no ideal
     rams = [ram for ram in RAMS if any(r["ram"] == ram for r in done)]
     kinds: list[str] = []
     for r in done:
@@ -575,11 +959,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-turns", type=int, default=4)
     ap.add_argument("--budget", type=int, default=6000, help="tokens a conversation may take, answers at their cap")
     ap.add_argument("--setups", default=DEFAULT_SETUPS,
-                    help="comma-separated: alone-RAM or lpcache-VARIANT-RAM, -nosid for no session ids "
+                    help="comma-separated: alone-RAM, lpcache-VARIANT-RAM or fast-VARIANT, -nosid for no session ids "
                          f"(RAM: {', '.join(RAMS)}; VARIANT: {', '.join(VARIANTS)}); default: {DEFAULT_SETUPS}")
     ap.add_argument("--lpcache-env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE",
                     help="a setting for every lpcache run (repeatable)")
     ap.add_argument("--small-mib", type=int, help="the small RAM cache in MiB (default: a fifth of the working set)")
+    ap.add_argument("--fast-factor", type=float, default=100.0,
+                    help="the fast profile's stand-in prefills and generates this many times faster than this CPU")
+    ap.add_argument("--cpu-rates", type=given_rates, metavar="PREFILL_MS,GEN_MS",
+                    help="this CPU's prefill and generation ms a token, instead of measuring them on the probe "
+                         "(other work on the cores makes them slow: a generation many times so)")
     ap.add_argument("--timeout", type=float, default=7200, help="seconds for one aiperf run")
     ap.add_argument("--quick", action="store_true",
                     help=f"a smoke run: 8 conversations, setups {QUICK_SETUPS}, no docs")
@@ -626,6 +1015,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         say(f"KV cache: {prep.kv['n_written']:,} bytes for {prep.kv['n_saved']:,} tokens in a slot save = "
             f"{prep.kv['bytes_per_token']:,.0f} bytes a token; small RAM cache = {prep.kv['bytes_per_token']:,.0f} x "
             f"{prep.working_set_tokens:,} / 5 = {prep.small_mib} MiB" + (" (--small-mib)" if args.small_mib else ""))
+        if prep.cpu:
+            say(cpu_text({"cpu": prep.cpu}))
+            cores = os.cpu_count() or 1
+            if not prep.cpu.get("given") and max(prep.cpu["load_1m_before"], prep.cpu["load_1m"]) > cores:
+                say(f"  warning: a 1-minute load of {prep.cpu['load_1m_before']:.1f} to {prep.cpu['load_1m']:.1f} on "
+                    f"{cores} cores while measuring: other work slowed these rates, and the fast profile's stand-in "
+                    "with them (--cpu-rates gives them)")
+        if any(s.fast for s in setups):
+            stand_in = stand_in_of(prep, args.fast_factor)
+            say("fast profile: the stand-in with " + " ".join(stand_in_argv(stand_in)) + f" --slots {stand_in['slots']}"
+                f"; the longest conversation is {prep.stand_in_max_tokens:,} of its tokens")
+            if prep.stand_in_max_tokens >= stand_in["n_ctx"]:
+                say(f"  warning: more than its --n-ctx {stand_in['n_ctx']}: that conversation's last turns will fail")
         agree = prep.tokenizer_check.get("agree") or {}
         say("aiperf's tokenizer vs llama-server /tokenize: " + (
             ", ".join(f"{k} {n}/{prep.tokenizer_check['texts']}" for k, n in agree.items()) if agree
@@ -648,6 +1050,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             results.append(r)
             if "skipped" in r:
                 say(f"  skipped: {r['skipped']}")
+            elif setup.fast:
+                spent, expected = spent + took, expected + estimates[i]
+                cells = fast_row(r)
+                say(f"  {r['requests']} requests, {run_errors(r)} errors, the stand-in computed {r['computed']} of "
+                    f"{r['prompt_tokens']} prompt tokens, {_f(r['duration_s'], 1)} s; answers fed back "
+                    f"{r['answers_fed_back'][0]}/{r['answers_fed_back'][1]}; lpcache saves {cells[6]}, restores "
+                    f"{cells[7]}, bytes written {cells[8]} ({(r.get('shutdown') or {}).get('bytes', 0):,} as it "
+                    f"stopped); save decisions {cells[9]}; need rate {cells[10]}")
+                for line in r.get("save_verdicts") or []:
+                    say(f"  {line}")
             else:
                 spent, expected = spent + took, expected + estimates[i]
                 say(f"  {r['requests']} requests, {run_errors(r)} errors, computed {r['computed']} of "
@@ -666,17 +1078,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             "settings": {"conversations": args.conversations, "seed": args.seed, "concurrency": args.concurrency,
                          "answer_tokens": args.answer_tokens, "think_ms": args.think_ms, "min_turns": args.min_turns,
                          "max_turns": args.max_turns, "budget": args.budget,
-                         "lpcache_env": dict(args.lpcache_env), "setups": [s.name for s in setups]},
+                         "lpcache_env": dict(args.lpcache_env), "setups": [s.name for s in setups],
+                         "fast_factor": args.fast_factor},
             "prepare": {"read_items": prep.read.items, "truncated": prep.read.truncated, "kv": prep.kv,
                         "working_set_tokens": prep.working_set_tokens, "small_mib": prep.small_mib,
                         "n_ctx": prep.n_ctx, "tokenizer_check": prep.tokenizer_check, "lpcache_source": source,
+                        "cpu": prep.cpu, "stand_in_max_tokens": prep.stand_in_max_tokens,
                         "conversations": [{"id": c.id, "turns": len(c.turns), "tokens": c.tokens}
                                           for c in prep.conversations]},
             "results": results,
         }
-        print(table(HEADERS, [[r["setup"], *row(r)[1:]] for r in results]))
-        for line in notes(results):
-            print(line)
+        cpu_runs = [r for r in results if r["ram"] != FAST]
+        if cpu_runs:
+            print(table(HEADERS, [[r["setup"], *row(r)[1:]] for r in cpu_runs]))
+            for line in notes(cpu_runs):
+                print(line)
+        fast_runs = [r for r in results if r["ram"] == FAST]
+        if fast_runs:
+            print(table(FAST_HEADERS, [[r["setup"], *fast_row(r)[1:]] for r in fast_runs]))
+            for line in [*fast_verdicts(fast_runs), *notes(fast_runs), *fast_notes(fast_runs)]:
+                print(line)
         say(f"done in {minutes:.1f} minutes")
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=1, ensure_ascii=False))

@@ -4,6 +4,7 @@ errors. No server."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import io
 import json
@@ -315,3 +316,169 @@ def test_setups_not_run_keep_their_last_figures_for_the_same_workload(tmp_path: 
                                               {"setup": "lpcache-defaults-ram0", "old": True}]
     other = {**new, "settings": {**settings, "answer_tokens": 64}}
     assert sc.merged(other, ["alone-ram0"]) == [{"setup": "alone-ram0", "old": False}]
+
+
+# ------------------------------------------------------------------------------------------------ the fast profile
+
+
+def test_fast_setup_names() -> None:
+    assert sc.parse_setup("fast-auto") == sc.Setup("fast-auto", "auto", sc.FAST, True)
+    nosid = sc.parse_setup(" fast-defaults-nosid ")
+    assert nosid == sc.Setup("fast-defaults-nosid", "defaults", sc.FAST, False)
+    assert nosid.fast and not sc.parse_setup("lpcache-auto-ram0").fast
+    assert nosid.label == "lpcache, defaults, fast stand-in"
+    assert {"fast-defaults", "fast-auto"} <= set(sc.DEFAULT_SETUPS.split(","))
+    for bad in ("fast", "fast-ram0", "fast-auto-ram0", "fast-nosid", "alone-fast", "lpcache-auto-fast",
+                "fast-fast", "fast-auto-nosid-nosid"):
+        with pytest.raises(ValueError):
+            sc.parse_setup(bad)
+
+
+def prepared(**cpu: Any) -> Any:
+    return sc.Prepared([sg.Conversation("a", ["x", "y"], 1000), sg.Conversation("b", ["z"] * 4, 3000)],
+                       sg.ReadStats(), {"bytes_per_token": 23056.6, "n_written": 1, "n_saved": 1}, 4000, 20, None,
+                       {}, Path("d.jsonl"), cpu)
+
+
+def test_the_stand_in_is_the_cpu_over_the_factor_with_a_real_cache_s_weight() -> None:
+    prep = prepared(prefill_ms_per_token=3.2, gen_ms_per_token=25.0)
+    stand_in = sc.stand_in_of(prep, 100)
+    assert stand_in == {"slots": 2, "n_ctx": 8192, "fast_factor": 100, "prefill_ms_per_token": 0.032,
+                        "gen_ms_per_token": 0.25, "kv_bytes_per_token": 23057}
+    argv = sc.stand_in_argv(stand_in)
+    assert argv[argv.index("--prefill-ms-per-token") + 1] == "0.032"
+    assert argv[argv.index("--kv-bytes-per-token") + 1] == "23057"
+    assert argv[argv.index("--n-ctx") + 1] == "8192"
+    from lpcache.mock_llama.__main__ import build_parser, config_from
+    config = config_from(build_parser().parse_args(["0", *argv]))   # flags the stand-in takes
+    assert (config.prefill_ms_per_token, config.gen_ms_per_token, config.kv_bytes_per_token) == (0.032, 0.25, 23057)
+
+
+def test_the_cpu_rates_are_the_quickest_runs() -> None:
+    rates = sc.cpu_rates([{"prompt_n": 1000, "prompt_ms": 4000.0, "predicted_n": 32, "predicted_ms": 640.0},
+                          {"prompt_n": 1000, "prompt_ms": 3000.0, "predicted_n": 32, "predicted_ms": 960.0}], 1.234)
+    assert (rates["prefill_ms_per_token"], rates["gen_ms_per_token"], rates["load_1m"]) == (3.0, 20.0, 1.23)
+    assert "3.000 ms a token" in sc.cpu_text({"cpu": rates}) and sc.cpu_text({}) == ""
+    given = sc.given_rates("3.2,21")
+    assert (given["prefill_ms_per_token"], given["gen_ms_per_token"]) == (3.2, 21.0)
+    assert "as given" in sc.cpu_text({"cpu": given})
+    for bad in ("3.2", "3.2,x", "0,21", "1,2,3"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            sc.given_rates(bad)
+
+
+def test_the_fast_runs_are_estimated_from_the_cpu_rates_over_the_factor() -> None:
+    args = argparse.Namespace(answer_tokens=32, concurrency=8, fast_factor=100.0)
+    prep = prepared(prefill_ms_per_token=4.0, gen_ms_per_token=10.0)
+    fast = sc.estimate_s(sc.parse_setup("fast-auto"), prep, args)
+    slow = sc.estimate_s(sc.parse_setup("lpcache-auto-ram0"), prep, args)
+    assert sc.RUN_OVERHEAD_S < fast < slow
+    quicker = sc.estimate_s(sc.parse_setup("fast-auto"), prep, argparse.Namespace(**{**vars(args), "fast_factor": 1e6}))
+    assert quicker < fast
+
+
+def test_stand_in_tokens_count_words_symbols_and_the_answers() -> None:
+    one = sc.stand_in_tokens(["Hello, world"], 32)
+    two = sc.stand_in_tokens(["Hello, world", "again"], 32)
+    assert two - one == 32 + len(sc.tokenize("<|im_start|>assistant\n<|im_end|>\n<|im_start|>user\nagain"
+                                                   "<|im_end|>\n"))
+
+
+LOG = "\n".join([   # as lpcache logs them
+    "2026-12-02 07:30:01,004 INFO lpcache.swap: slot_save url=http://h:1 slot=0 file=aa model=-: ok tokens=100 "
+    "bytes=2305700 ms=40",
+    "2026-12-02 07:30:02,004 INFO lpcache.swap: slot_restore url=http://h:1 slot=1 file=aa model=-: ok tokens=100 "
+    "bytes=2305700 ms=9",
+    "2026-12-02 07:30:03,004 WARNING lpcache.swap: slot_save url=http://h:1 slot=1 file=bb model=-: failed status=500 "
+    "reason='x bytes=3'",
+    "2026-12-02 07:30:04,004 INFO lpcache.saving: save_verdict backend=http://h:1 model= worth=false tokens=120 "
+    "need_rate=0.500: caches like this one are not saved",
+    "2026-12-02 07:30:05,004 INFO lpcache.swap: slot_save url=http://h:1 slot=1 file=cc model=-: ok tokens=10 "
+    "bytes=230570 ms=4",
+])
+
+
+def test_saves_and_verdicts_are_read_from_lpcache_s_log() -> None:
+    assert sc.logged_saves(LOG) == (2, 2305700 + 230570)
+    assert sc.logged_saves("") == (0, 0)
+    assert sc.save_verdicts(LOG) == ["save_verdict backend=http://h:1 model= worth=false tokens=120 need_rate=0.500: "
+                                     "caches like this one are not saved"]
+
+
+def fast_result(setup: str, saves: float, written: float, background: float = 0, shutdown: int = 0,
+                decisions: dict[str, float] | None = None) -> dict[str, Any]:
+    s = sc.parse_setup(setup)
+    return {"setup": s.name, "label": s.label, "ram": s.ram, "sessions": s.sessions, "variant": s.variant,
+            "requests": 174, "errors": 0, "computed": 5000, "prompt_tokens": 40000, "ideal": None, "x_ideal": None,
+            "lpcache": {'lpcache_saves_total{result="ok"}': saves, 'lpcache_background_saves_total{result="ok"}': 1,
+                        'lpcache_restores_total{result="ok"}': 3, 'lpcache_restores_total{result="failed"}': 0,
+                        'lpcache_slot_file_bytes_total{action="save"}': written,
+                        'lpcache_slot_file_bytes_total{action="restore"}': 7e9,
+                        'lpcache_background_save_bytes_total': background, "lpcache_cache_need_rate": 0.25,
+                        **{f'lpcache_save_decisions_total{{decision="{k}"}}': v
+                           for k, v in (decisions or {}).items()}},
+            "shutdown": {"saves": 1 if shutdown else 0, "bytes": shutdown},
+            "logged": {"saves": int(saves), "bytes": int(written)}, "stand_in_stats": {"saves": 5, "restores": 3},
+            "save_verdicts": ["save_verdict backend=x worth=false"], "settled": True}
+
+
+def test_a_fast_row_counts_every_byte_written_and_auto_s_decisions() -> None:
+    r = fast_result("fast-auto", 4, 3_000_000, background=500_000, shutdown=20_000,
+                    decisions={"probe_too_short": 170, "worth": 4, "not_worth": 0})
+    assert sc.written_bytes(r) == 3_520_000   # restores' reads left out
+    cells = sc.fast_row(r)
+    assert len(cells) == len(sc.FAST_HEADERS)
+    assert cells[4:] == [5000, 40000, "6", "3/0", "3,520,000", "probe_too_short 170, worth 4", "0.25"]
+    assert sc.fast_row(fast_result("fast-defaults", 1, 1))[9] == "-"
+    skipped = {**{k: r[k] for k in ("setup", "label", "ram", "sessions", "variant")}, "skipped": "no"}
+    assert sc.fast_row(skipped)[-1] == "skipped" and len(sc.fast_row(skipped)) == len(sc.FAST_HEADERS)
+
+
+def test_the_verdict_compares_auto_with_the_defaults_of_the_same_session_mode() -> None:
+    runs = [fast_result("fast-defaults", 10, 1_000_000), fast_result("fast-auto", 0, 999_999, shutdown=1),
+            fast_result("fast-defaults-nosid", 3, 100), fast_result("fast-auto-nosid", 2, 50, background=51)]
+    met, not_met = sc.fast_verdicts(runs)
+    assert "with session ids" in met and "1,000,000 bytes" in met and met.endswith("met.") and "not met" not in met
+    assert "without session ids" in not_met and not_met.endswith("not met.")   # 101 bytes against 100
+    assert sc.fast_verdicts(runs[:1]) == []                                      # no pair, no verdict
+    skipped = {**runs[1], "skipped": "lpcache did not start"}
+    assert "not measured" in sc.fast_verdicts([runs[0], skipped])[0]
+
+
+def report_with(results: list[dict[str, Any]]) -> dict[str, Any]:
+    settings = {"conversations": 2, "seed": 1, "concurrency": 8, "answer_tokens": 32, "think_ms": 0, "min_turns": 2,
+                "max_turns": 4, "budget": 6000, "lpcache_env": {}, "setups": [r["setup"] for r in results],
+                "fast_factor": 100}
+    prep = {"read_items": 9, "truncated": True, "kv": {"bytes_per_token": 23057.0, "n_written": 2, "n_saved": 1},
+            "working_set_tokens": 4000, "small_mib": 20, "n_ctx": 8192, "conversations": [
+                {"id": "a", "turns": 2, "tokens": 1000}, {"id": "b", "turns": 4, "tokens": 3000}],
+            "cpu": sc.cpu_rates([{"prompt_n": 1000, "prompt_ms": 3000.0, "predicted_n": 32, "predicted_ms": 640.0}],
+                                0.5)}
+    return {"aiperf": "0.13.0", "command": "aiperf profile", "minutes": 3.0, "settings": settings, "prepare": prep,
+            "results": results}
+
+
+def test_the_page_has_the_fast_table_after_the_ram_tables(tmp_path: Path) -> None:
+    cpu_run = {"setup": "lpcache-auto-ram0", "label": "lpcache, auto", "ram": "ram0", "sessions": True,
+               "variant": "auto", "requests": 10, "errors": 0, "computed": 50, "prompt_tokens": 90, "ideal": 40,
+               "x_ideal": 1.25, "ttft_p50_s": 1.0, "ttft_p90_s": 2.0, "ttft_later_turns_p50_s": 0.5,
+               "duration_s": 9.0, "date": "2026-12-02 07:00", "commit": "abc", "load_1m_before": 1.0,
+               "load_1m_after": 2.0}
+    stand_in = {"slots": 2, "n_ctx": 8192, "fast_factor": 100, "prefill_ms_per_token": 0.03,
+                "gen_ms_per_token": 0.25, "kv_bytes_per_token": 23057}
+    fast = [{**fast_result("fast-defaults", 10, 2e6), "stand_in": stand_in, "duration_s": 20.0},
+            {**fast_result("fast-auto", 0, 0), "stand_in": stand_in, "duration_s": 20.0}]
+    page = sc.markdown(report_with([cpu_run, *fast]), "Machine: test")
+    ram0 = page.index("### `--cache-ram 0`")
+    title = page.index("### Fast profile: a stand-in 100 times faster than this CPU")
+    assert ram0 < title < page.index("Runs:") and page.endswith(sc.END)
+    section = page[title:page.index("Runs:")]
+    assert "--prefill-ms-per-token 0.03" in section and "3.000 ms a token" in section and "no ideal" in section
+    assert "`auto` wrote 0 bytes" in section and "met." in section and "not met" not in section
+    assert "| lpcache, auto, fast stand-in (`fast-auto`)" in section
+    assert "fast-auto" not in page[:title]                         # not in the RAM tables
+    sc.plot(report_with([cpu_run, *fast])["results"], tmp_path / "plot.png")   # the fast rows have no ideal to plot
+    assert (tmp_path / "plot.png").stat().st_size > 0
+    older = report_with([cpu_run])
+    del older["prepare"]["cpu"]
+    assert "Fast profile" not in sc.markdown(older, "Machine: test")   # results of before the fast profile
