@@ -494,7 +494,10 @@ class SlotFiller:
         served = not record.restored and not explained and \
             record.cache_n >= REUSE_MIN_TOKENS + speeds.tokens_of(choice.resident + 2)
         if record.ram_expected:
-            hit = not explained and record.cache_n >= RAM_HIT_SHARE * record.ram_expected
+            # left to the RAM in a slot chosen because it shares little with the prompt: what it shares is all the
+            # slot itself could have given (the slot holding more tokens in all says nothing here)
+            shared = speeds.tokens_of(common_prefix(held.chain, prompt.exact) + 2) if held is not None else math.inf
+            hit = record.cache_n > shared and record.cache_n >= RAM_HIT_SHARE * record.ram_expected
             if not backend.ram.served and hit:
                 log.info("backend_ram_cache url=%s cache_n=%d: llama-server's RAM prompt cache served a prompt no "
                          "slot held; what it likely holds is left to it rather than restored from disk while it "

@@ -97,3 +97,28 @@ def test_the_default_threshold_saves_none_of_them_and_says_what_it_costs(tmp_pat
     assert 0 < missed <= computed_again and seconds > 0
     told = [r.getMessage() for r in caplog.records if r.getMessage().startswith("settings_cost")]
     assert len(told) == 1 and "BIG_THRESHOLD_WORDS=500" in told[0]
+
+
+def test_behind_the_default_ram_cache_returns_are_left_to_the_server_s_ram_not_restored(tmp_path: Any) -> None:
+    """llama-server's default --cache-ram holds these conversations: after one try, lpcache leaves each return to
+    the server's RAM (a pinned request to a slot holding something else makes it look there) rather than read a file
+    back, and every later turn still finds its whole history."""
+    slots = str(tmp_path / "slots")
+    with LlamaServer(slots, n_slots=2, cache_ram=None, ctx=8192) as server:
+        proxy = Proxy(Settings(backends=(BackendConfig(server.url, None, slots),), meta_dir=str(tmp_path / "meta"),
+                               host="127.0.0.1", big_threshold_words=None, meta_max=0))
+        try:
+            rows = play(proxy.url)
+            proxy.settle()
+            left_to_ram = [r for r in proxy.records if r.ram_expected]
+        finally:
+            proxy.stop()
+    later = [r for r in rows if r["turn"] > 0]
+    previous = {(r["conversation"], r["turn"]): r["prompt_tokens"] for r in rows}
+    restored = [r for r in later if r["restored"] == "true"]
+    figures(f"default --cache-ram: {len(left_to_ram)} of {len(later)} later turns left to the server's RAM, "
+            f"{len(restored)} restored from disk; computed {sum(r['prompt_n'] for r in rows)} of "
+            f"{sum(r['prompt_tokens'] for r in rows)} prompt tokens")
+    assert len(left_to_ram) >= len(later) - 2 and len(restored) <= 2, (len(left_to_ram), len(restored))
+    for r in later:
+        assert r["cache_n"] >= previous[(r["conversation"], r["turn"] - 1)], r   # the RAM (or a file) had it all
