@@ -13,7 +13,8 @@ its per-conversation correlation id as `X-Session-ID` (`--session-header`); with
 
 Every run gets a fresh llama-server (build 11434, SmolLM2-135M, `-np 2`, `--metrics`, a fresh slot-save folder):
 `--cache-ram 0`, a RAM cache of about a fifth of the working set (`ramsmall`: the KV bytes per token measured from a
-slot save's `n_written / n_saved`, times the tokens of the conversations' last prompts, over 5), or llama-server's
+slot save's `n_written / n_saved`, times the tokens of the conversations in flight at their last turn, over 5), or
+llama-server's
 default; alone, or behind lpcache (`python -m lpcache` with `LLAMA_URL`, `SLOT_SAVE_PATH` and a `META_DIR` of its
 own) with its defaults or `BIG_THRESHOLD_WORDS=auto`, plus any `--lpcache-env`. A setup whose lpcache does not start
 (a variable it does not know yet) is reported and skipped.
@@ -107,7 +108,8 @@ RAMS = ("ram0", "ramsmall", "ramdef")
 VARIANTS: dict[str, dict[str, str]] = {"defaults": {}, "auto": {"BIG_THRESHOLD_WORDS": "auto"}}
 FAST = "fast"   # the `ram` of the fast profile's setups: a stand-in, no llama-server and no RAM cache
 DEFAULT_SETUPS = ("alone-ram0,alone-ramsmall,alone-ramdef,lpcache-auto-ram0,lpcache-auto-ramsmall,lpcache-auto-ramdef,"
-                  "lpcache-auto-ram0-nosid,lpcache-defaults-ram0,lpcache-defaults-ramdef,fast-defaults,fast-auto")
+                  "lpcache-auto-ram0-nosid,lpcache-defaults-ram0,lpcache-defaults-ram0-nosid,lpcache-defaults-ramdef,"
+                  "fast-defaults,fast-auto")
 QUICK_SETUPS = "alone-ram0,lpcache-defaults-ram0"
 SESSION_HEADER = "X-Session-ID"
 # lpcache's /metrics samples kept for a run: what it says about saves, restores, their files, and the prefill a
@@ -120,7 +122,7 @@ LPCACHE_KEEP = ("save", "restore", "slot_file", "missed", "decision", "skip", "s
 PREFILL_TOK_S, DECODE_TOK_S, RUN_OVERHEAD_S = 230.0, 110.0, 30.0
 # The fast profile's runs: their prefill and decode are this CPU's divided by the factor, next to nothing; what takes
 # their time is aiperf, lpcache and the stand-in handling each request, and the slot files' writes and reads.
-FAST_REQUEST_S = 0.5
+FAST_REQUEST_S = 0.1
 # The stand-in's slots (llama-server's `-np 2` of the other setups), and the full prefills that measure this CPU.
 FAST_SLOTS, CPU_SAMPLES = 2, 2
 
@@ -286,7 +288,10 @@ def prepare(args: argparse.Namespace, work: Path, aiperf_python: str, tokenizer_
         cpu = args.cpu_rates or cpu_speeds(server.url, longest.turns, args.answer_tokens, client)
         check = check_tokenizer(aiperf_python, tokenizer_folder, server.url, hub)
     working = sum(c.tokens for c in chosen)
-    small = max(1, round(kv["bytes_per_token"] * working / 5 / 2**20))
+    # What the server's RAM must hold is the conversations in flight, not all of them: a fifth of those (their mean
+    # size at their last turn, times the concurrency) leaves it too small for the working set, as a real model's is.
+    in_flight = working / len(chosen) * min(args.concurrency, len(chosen))
+    small = max(1, round(kv["bytes_per_token"] * in_flight / 5 / 2**20))
     dataset = work / "sharegpt-multi-turn.jsonl"
     dataset.write_text("\n".join(sharegpt.aiperf_lines(chosen, args.answer_tokens, args.think_ms)) + "\n")
     return Prepared(chosen, stats, kv, working, small, n_ctx, check, dataset, cpu,
@@ -845,8 +850,11 @@ def markdown(report: dict[str, Any], machine: str) -> str:
         "does not read.", "",
         f"Servers: a fresh llama-server per run, `-np 2` ({prep['n_ctx']} tokens a slot), `--metrics`, a fresh "
         f"slot-save folder. The small RAM cache: {kv['bytes_per_token']:,.0f} KV bytes a token (a slot save wrote "
-        f"{kv['n_written']:,} bytes for {kv['n_saved']:,} tokens) x {prep['working_set_tokens']:,} tokens (the "
-        f"conversations' last prompts with their answers at the cap) / 5 = {prep['small_mib']} MiB. lpcache (of the "
+        f"{kv['n_written']:,} bytes for {kv['n_saved']:,} tokens) x the tokens of the {s['concurrency']} "
+        f"conversations in flight ({prep['working_set_tokens']:,} tokens in the {s['conversations']} conversations' "
+        f"last prompts with their answers at the cap, {s['concurrency']}/{s['conversations']} of them) / 5 = "
+        f"{prep['small_mib']} MiB: a fifth of the working set, which a real model's RAM cache of a few GiB is too. "
+        "lpcache (of the "
         "checkout, at the commit of each run below) as `python -m lpcache` with `LLAMA_URL`, `SLOT_SAVE_PATH` and a "
         "`META_DIR` of its own; `defaults` changes no setting, `auto` sets " + variant_text("auto")
         + (f"; every lpcache run also had {', '.join(f'`{k}`' for k in s['lpcache_env'])}" if s["lpcache_env"] else "")
@@ -1014,7 +1022,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{prep.working_set_tokens:,} tokens in their last prompts (answers at the cap)")
         say(f"KV cache: {prep.kv['n_written']:,} bytes for {prep.kv['n_saved']:,} tokens in a slot save = "
             f"{prep.kv['bytes_per_token']:,.0f} bytes a token; small RAM cache = {prep.kv['bytes_per_token']:,.0f} x "
-            f"{prep.working_set_tokens:,} / 5 = {prep.small_mib} MiB" + (" (--small-mib)" if args.small_mib else ""))
+            f"{prep.working_set_tokens:,} x {args.concurrency}/{len(prep.conversations)} (in flight) / 5 = "
+            f"{prep.small_mib} MiB" + (" (--small-mib)" if args.small_mib else ""))
         if prep.cpu:
             say(cpu_text({"cpu": prep.cpu}))
             cores = os.cpu_count() or 1

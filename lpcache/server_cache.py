@@ -13,7 +13,6 @@ hit. Bounded: the oldest digests are forgotten.
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
@@ -58,14 +57,15 @@ class ServerCaches:
 class RamWatch:
     """Whether a server's RAM prompt cache serves the prompts lpcache leaves to it, from what it did with the last
     ones (hits and misses, `seen`). A prompt is left to the RAM, rather than restored from a file, when the RAM's
-    expected cost, its miss rate times the prefill a miss costs, is below the restore's (`rely`). A server never
-    tried is tried once (a server started with `--cache-ram 0` costs one prefill to find out), then again once its
-    outcomes are RAM_RETRY_SECONDS old. The RAM of llama-server's default `--cache-ram` holds a few long
-    conversations of a real model: it serves some, and misses the others; a small model's fit: it serves all."""
+    expected cost, its miss rate times the prefill a miss costs, is below the restore's (`rely`). Outcomes come for
+    free: a prompt with no file worth restoring goes where the RAM likely holds it anyway. A server with no recent
+    outcome is not relied on (never a prefill spent to find out: one started with `--cache-ram 0` would lose the
+    restore); outcomes older than RAM_RETRY_SECONDS are forgotten (the server may have been restarted since). The
+    RAM of llama-server's default `--cache-ram` holds a few long conversations of a real model: it serves some, and
+    misses the others; a small model's fit: it serves all."""
 
     def __init__(self) -> None:
         self.outcomes: deque[tuple[float, bool]] = deque(maxlen=RAM_WINDOW)
-        self.tried_at = -math.inf
 
     def seen(self, hit: bool, now: float) -> None:
         self.outcomes.append((now, hit))
@@ -83,10 +83,7 @@ class RamWatch:
         restore `restore_s` (None: unknown)."""
         recent = self.recent(now)
         if not recent:
-            if now - self.tried_at <= RAM_RETRY_SECONDS:
-                return False
-            self.tried_at = now   # untested (or long ago): try it, once
-            return True
+            return False
         misses = recent.count(False) / len(recent)
         if misses == 0:
             return True

@@ -40,7 +40,7 @@ from .speeds import Speeds
 log = logging.getLogger("lpcache.worth")
 
 MARGIN = 2.0              # the prefill spared must be worth this many times the save
-PROBE_SECONDS = 0.5       # until a save was measured: a cache whose prefill took this long is saved
+PROBE_SECONDS = 0.1       # until a save was measured: a cache whose prefill took this long is saved
 NEED_PRIOR = (1.0, 1.0)   # Beta prior of the need rate: (needed, not needed), so 0.5 before anything is seen
 SEEN_MAX = 8192           # prompts remembered (a few hundred bytes each)
 HORIZON_MIN = 120.0       # a prompt not continued within max(HORIZON_MIN, HORIZON_GAPS x the typical gap) ...

@@ -408,7 +408,12 @@ def test_client_leaving_while_a_json_answer_is_generated(start_backend: Any, sta
     sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
     deadline = time.monotonic() + 10
-    while mock_stats(backend)["chat_requests"] < 1:     # wait until the backend is generating
+
+    def decoded() -> int:
+        slot = httpx.get(f"{backend.url}/slots").json()[0]
+        return int(slot["next_token"][0]["n_decoded"]) if slot["is_processing"] else 0
+
+    while decoded() < 1:     # wait until the backend is generating: its prompt was read to its end
         assert time.monotonic() < deadline
     sock.close()
     proxy.wait_finished(1)

@@ -688,23 +688,24 @@ async def test_a_request_whose_planned_wait_runs_out_keeps_its_turn_in_line() ->
 
 # ---- the server's RAM prompt cache: relied on over a file while it serves ----
 
-def test_a_server_s_ram_is_tried_once_then_relied_on_while_it_serves() -> None:
+def test_a_server_s_ram_is_relied_on_only_once_it_was_seen_to_serve_and_while_it_serves() -> None:
     ram = RamWatch()
-    assert ram.rely(2.0, 0.05, now=0.0)            # never tried: try it
-    assert not ram.rely(2.0, 0.05, now=1.0)        # ... once, until an outcome comes
-    ram.seen(True, now=2.0)
-    assert ram.rely(2.0, 0.05, now=3.0) and ram.served
-    for t in range(4, 12):
+    assert not any(ram.rely(2.0, 0.05, now=float(t)) for t in range(100))   # never seen: a file is restored
+    ram.seen(True, now=100.0)                      # a prompt with no file found in the RAM
+    assert ram.rely(2.0, 0.05, now=101.0) and ram.served
+    for t in range(102, 110):
         ram.seen(True, now=float(t))
-    ram.seen(False, now=12.0)                      # a miss: 1 in 10 x 2 s of prefill > a 0.05 s restore
-    assert not ram.rely(2.0, 0.05, now=13.0)
-    assert ram.rely(0.2, 0.05, now=13.0)           # ... but a short prefill is worth the risk
-    assert not ram.rely(None, None, now=13.0)
+    ram.seen(False, now=110.0)                     # a miss: 1 in 10 x 2 s of prefill > a 0.05 s restore
+    assert not ram.rely(2.0, 0.05, now=111.0)
+    assert ram.rely(0.2, 0.05, now=111.0)          # ... but a short prefill is worth the risk
+    assert not ram.rely(None, None, now=111.0)
 
 
-def test_a_server_without_a_ram_cache_costs_one_try_and_is_tried_again_much_later() -> None:
+def test_a_server_without_a_ram_cache_is_never_relied_on_and_old_outcomes_are_forgotten() -> None:
     ram = RamWatch()
-    assert ram.rely(2.0, 0.05, now=0.0)
-    ram.seen(False, now=5.0)                       # --cache-ram 0: the prompt was computed
+    ram.seen(False, now=5.0)                       # --cache-ram 0: a prompt with no file was computed
     assert not any(ram.rely(2.0, 0.05, now=5.0 + t) for t in range(1, 100)) and not ram.served
-    assert ram.rely(2.0, 0.05, now=5.0 + RAM_RETRY_SECONDS + 1)   # the miss is forgotten: the server may have one now
+    ram.seen(True, now=10.0)                       # one hit after one miss: half of 2 s of prefill > the restore
+    assert not ram.rely(2.0, 0.05, now=11.0)
+    assert ram.rely(2.0, 0.05, now=6.0 + RAM_RETRY_SECONDS)   # the miss is forgotten, the hit is not yet
+    assert not ram.rely(2.0, 0.05, now=11.0 + RAM_RETRY_SECONDS)   # nothing recent: not relied on

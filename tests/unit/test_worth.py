@@ -103,7 +103,7 @@ def test_before_a_save_is_measured_only_a_long_prefill_is_saved_to_learn_the_cos
     long_enough = int(PROBE_SECONDS * 1000 / 4.0) + 1
     assert worth.decide(cpu, long_enough, None, None) == (True, "probe")
     assert worth.decide(cpu, long_enough // 4, None, None) == (False, "probe_too_short")
-    assert worth.decide(speeds(prefill=0.04), 10_000, None, None) == (False, "probe_too_short")
+    assert worth.decide(speeds(prefill=0.04), 2_000, None, None) == (False, "probe_too_short")   # a GPU
 
 
 def test_without_a_learnt_prefill_rate_the_request_s_own_prefill_is_the_measure() -> None:
