@@ -20,6 +20,7 @@ LIMIT = 200_000   # digests remembered (about 30 MB)
 RAM_WINDOW = 16              # the last requests left to a server's RAM cache, whose outcomes are weighed
 RAM_RETRY_SECONDS = 600.0    # outcomes older than this are forgotten: the server may have been restarted otherwise
 RAM_HIT_SHARE = 0.5          # cache_n at least this share of what the RAM should hold: it served the prompt
+RAM_MISS_PRIOR = (1, 1)      # Beta prior of a server's RAM miss rate: (misses, hits), so one half before any outcome
 
 
 class ServerCaches:
@@ -57,12 +58,14 @@ class ServerCaches:
 class RamWatch:
     """Whether a server's RAM prompt cache serves the prompts lpcache leaves to it, from what it did with the last
     ones (hits and misses, `seen`). A prompt is left to the RAM, rather than restored from a file, when the RAM's
-    expected cost, its miss rate times the prefill a miss costs, is below the restore's (`rely`). Outcomes come for
-    free: a prompt with no file worth restoring goes where the RAM likely holds it anyway. A server with no recent
-    outcome is not relied on (never a prefill spent to find out: one started with `--cache-ram 0` would lose the
-    restore); outcomes older than RAM_RETRY_SECONDS are forgotten (the server may have been restarted since). The
-    RAM of llama-server's default `--cache-ram` holds a few long conversations of a real model: it serves some, and
-    misses the others; a small model's fit: it serves all."""
+    expected cost, its miss rate (with a prior of one half) times the prefill a miss costs, is below the restore's
+    time, its wait for the server's batch included (`rely`). So a server never seen is tried only where a miss
+    would cost little more than the restore: behind a busy CPU, whose /slots calls wait for seconds, it is; where a
+    restore takes milliseconds, it is not (one started with `--cache-ram 0` then loses nothing). Outcomes also come
+    for free: a prompt with no file worth restoring goes where the RAM likely holds it anyway. Outcomes older than
+    RAM_RETRY_SECONDS are forgotten (the server may have been restarted since). The RAM of llama-server's default
+    `--cache-ram` holds a few long conversations of a real model: it serves some, and misses the others; a small
+    model's fit: it serves all."""
 
     def __init__(self) -> None:
         self.outcomes: deque[tuple[float, bool]] = deque(maxlen=RAM_WINDOW)
@@ -82,11 +85,7 @@ class RamWatch:
         """Whether to leave a prompt to the RAM rather than restore it from a file: a miss costs `prefill_s`, the
         restore `restore_s` (None: unknown)."""
         recent = self.recent(now)
-        if not recent:
-            return False
-        misses = recent.count(False) / len(recent)
-        if misses == 0:
-            return True
         if prefill_s is None or restore_s is None:
-            return False
+            return bool(recent) and all(recent)   # nothing to weigh: only a RAM that served every recent prompt
+        misses = (recent.count(False) + RAM_MISS_PRIOR[0]) / (len(recent) + sum(RAM_MISS_PRIOR))
         return misses * prefill_s < restore_s

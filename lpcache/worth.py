@@ -6,13 +6,15 @@ the server's RAM prompt cache still holds it) and reading it back is quicker tha
 T tokens, on the backend and model that made it (`speeds`, times per token; `wait`: what a /slots call waits for the
 server's batch under way):
 
-    worth saving  when  need x ((prefill - restore) x T - wait)  >  MARGIN x (save x T + wait)
+    worth saving  when  need x ((prefill - restore) x T - wait)  >  MARGIN x save x T
 
 `need` is the share of prompts a later request continued while no slot and no RAM cache held them any more: learnt
 from the requests themselves (`ReturnWatch`), saved or not, so it does not depend on what was saved. MARGIN (2) keeps
 the costs a per-token rate leaves out on the side of not saving: a save stalls the whole server while it writes (every
-slot's request waits), the files take disk space, a request may come back before its file is needed. The wait is a
-fixed cost per call: a cache whose prefill is shorter than what its save and restore wait for is not worth a file.
+slot's request waits), the files take disk space, a request may come back before its file is needed. The wait is the
+restore's, a fixed cost the returning request pays: a cache whose prefill is shorter than it is not worth a file. A
+save's own wait is not weighed: the server goes on with its batch meanwhile, and only lpcache's slot waits, after
+the client has its answer (weighing it left every short turn on a busy CPU unsaved, and computed again).
 On a CPU or an Apple chip a token's prefill costs milliseconds and its save or restore microseconds: nearly every
 conversation's cache is saved, short turns included. On a GPU the prefill is as quick as the disk: nothing is, and
 no byte is written. Where the server's RAM prompt cache serves the returns, few are needed from a file, and the waits
@@ -164,8 +166,8 @@ class Worth:
         r = speeds.restore.ms_per_token
         if r is None:
             r = s   # reading a file back costs about what writing it did
-        wait = speeds.wait_ms or 0.0   # each /slots call waits for the server's batch under way
-        worth = self.watch.rate() * ((p - r) * tokens - wait) > MARGIN * (s * tokens + wait)
+        wait = speeds.wait_ms or 0.0   # the restore's /slots call waits for the server's batch under way
+        worth = self.watch.rate() * ((p - r) * tokens - wait) > MARGIN * s * tokens
         return self._count(worth, "worth" if worth else "not_worth")
 
     @staticmethod

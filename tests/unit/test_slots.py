@@ -688,24 +688,26 @@ async def test_a_request_whose_planned_wait_runs_out_keeps_its_turn_in_line() ->
 
 # ---- the server's RAM prompt cache: relied on over a file while it serves ----
 
-def test_a_server_s_ram_is_relied_on_only_once_it_was_seen_to_serve_and_while_it_serves() -> None:
+def test_a_server_s_ram_is_relied_on_while_its_expected_misses_cost_less_than_a_restore() -> None:
     ram = RamWatch()
-    assert not any(ram.rely(2.0, 0.05, now=float(t)) for t in range(100))   # never seen: a file is restored
-    ram.seen(True, now=100.0)                      # a prompt with no file found in the RAM
-    assert ram.rely(2.0, 0.05, now=101.0) and ram.served
-    for t in range(102, 110):
-        ram.seen(True, now=float(t))
-    ram.seen(False, now=110.0)                     # a miss: 1 in 10 x 2 s of prefill > a 0.05 s restore
-    assert not ram.rely(2.0, 0.05, now=111.0)
-    assert ram.rely(0.2, 0.05, now=111.0)          # ... but a short prefill is worth the risk
-    assert not ram.rely(None, None, now=111.0)
+    # never seen: a miss as likely as a hit; 2 s of prefill at one half against a 0.05 s restore: the file
+    assert not any(ram.rely(2.0, 0.05, now=float(t)) for t in range(100))
+    assert ram.rely(2.0, 1.5, now=100.0)           # ... but a restore that waits 1.5 s for a busy server: the RAM
+    assert not ram.rely(None, None, now=100.0)     # nothing to weigh and nothing seen
+    for t in range(101, 117):
+        ram.seen(True, now=float(t))               # 16 prompts found in the RAM
+    assert ram.rely(0.5, 0.05, now=117.0) and ram.served and ram.rely(None, None, now=117.0)
+    assert not ram.rely(2.0, 0.05, now=117.0)      # 1/18 of 2 s is still more than 0.05 s: a long prompt's file
+    ram.seen(False, now=118.0)                     # a miss
+    assert not ram.rely(0.5, 0.05, now=119.0) and not ram.rely(None, None, now=119.0)
+    assert ram.rely(0.2, 0.05, now=119.0)          # a short prefill is worth the risk
 
 
-def test_a_server_without_a_ram_cache_is_never_relied_on_and_old_outcomes_are_forgotten() -> None:
+def test_a_server_without_a_ram_cache_is_left_to_only_where_a_miss_costs_about_a_restore() -> None:
     ram = RamWatch()
-    ram.seen(False, now=5.0)                       # --cache-ram 0: a prompt with no file was computed
-    assert not any(ram.rely(2.0, 0.05, now=5.0 + t) for t in range(1, 100)) and not ram.served
-    ram.seen(True, now=10.0)                       # one hit after one miss: half of 2 s of prefill > the restore
-    assert not ram.rely(2.0, 0.05, now=11.0)
-    assert ram.rely(2.0, 0.05, now=6.0 + RAM_RETRY_SECONDS)   # the miss is forgotten, the hit is not yet
-    assert not ram.rely(2.0, 0.05, now=11.0 + RAM_RETRY_SECONDS)   # nothing recent: not relied on
+    for t in range(5, 10):
+        ram.seen(False, now=float(t))              # --cache-ram 0: prompts with no file were computed
+    assert not ram.served
+    assert not ram.rely(2.0, 1.5, now=10.0)        # 6/7 of 2 s > 1.5 s
+    assert ram.rely(2.0, 1.9, now=10.0)            # (the restore would not pay either)
+    assert ram.rely(2.0, 1.5, now=10.0 + RAM_RETRY_SECONDS)   # the misses are forgotten: tried again

@@ -156,10 +156,12 @@ def test_a_file_s_worth_per_byte_is_the_prefill_it_spares_over_its_size() -> Non
     assert Worth.per_byte(speeds(prefill=0.01, save=0.02, restore=0.02), 1000, 1000) is None   # spares nothing
 
 
-def test_a_short_prompt_is_not_worth_a_file_whose_save_and_restore_wait_longer_than_its_prefill() -> None:
-    """Each /slots call waits for the server's batch under way: a fixed cost a per-token rate does not show."""
+def test_a_short_prompt_is_not_worth_a_file_whose_restore_waits_longer_than_its_prefill() -> None:
+    """Each /slots call waits for the server's batch under way: a fixed cost the returning request pays for the
+    restore. The save's wait is nobody's: the server goes on meanwhile, the client has its answer."""
     busy = speeds(prefill=4.0, save=0.02, restore=0.015)
-    busy.learn_wait(call_ms=402.0, work_ms=2.0)            # a save that waited 400 ms for another slot's prefill
+    busy.learn_wait(call_ms=402.0, work_ms=2.0)            # a call that waited 400 ms for another slot's prefill
     worth = Worth(auto=True, threshold=None, meta_max=0)
-    assert not worth.decide(busy, 150, None, None)[0]      # 0.6 s of prefill: not worth two such waits, weighed
-    assert worth.decide(busy, 2000, None, None)[0]         # 8 s of prefill: worth them
+    assert not worth.decide(busy, 80, None, None)[0]       # 0.32 s of prefill: less than the restore's wait
+    assert worth.decide(busy, 150, None, None)[0]          # 0.6 s: more, and the save's wait is not weighed
+    assert worth.decide(busy, 2000, None, None)[0]
