@@ -391,6 +391,44 @@ def sent_figures(sent: Sequence[Any], out: Path) -> dict[str, Any]:
     }
 
 
+def start_lpcache(setup: Setup, args: argparse.Namespace, llama_url: str, slots: str, work: Path,
+                  base: dict[str, Any]) -> LpcacheProcess | str:
+    """lpcache with the setup's variant and any `--lpcache-env`, in front of `llama_url` (its settings go into the
+    run's `base`); or why it did not start."""
+    assert setup.variant is not None
+    env = {"LLAMA_URL": llama_url, "SLOT_SAVE_PATH": slots, "META_DIR": str(work / "meta"),
+           **VARIANTS[setup.variant], **dict(args.lpcache_env)}
+    base["lpcache_env"] = {k: v for k, v in env.items() if k not in ("LLAMA_URL", "SLOT_SAVE_PATH", "META_DIR")}
+    try:
+        return LpcacheProcess(env)
+    except RuntimeError as e:
+        return f"lpcache did not start: {start_reason(str(e), env)}"
+
+
+@dataclass
+class Timed:
+    """An aiperf run: its process (None: it did not finish in time), its duration, the 1-minute load before it, and
+    what the caller measured just before it started."""
+    proc: subprocess.CompletedProcess[bytes] | None
+    wall: float
+    load_before: float
+    before: Any
+
+
+def timed_aiperf(url: str, setup: Setup, args: argparse.Namespace, prep: Prepared, tools: tuple[str, str, str],
+                 work: Path, measure: Callable[[], Any]) -> Timed:
+    """aiperf's run of the workload against `url` (its export in `work`/aiperf), `measure()` taken just before it;
+    `tools`: aiperf, its tokenizer, its hub folder."""
+    aiperf, tokenizer, hub = tools
+    argv = aiperf_argv(aiperf, url, tokenizer, str(prep.dataset), str(work / "aiperf"), setup.sessions,
+                       len(prep.conversations), args)
+    load_before = os.getloadavg()[0]
+    before = measure()
+    started = time.perf_counter()
+    proc = run_aiperf(argv, work, hub, args.timeout)
+    return Timed(proc, time.perf_counter() - started, load_before, before)
+
+
 def one_run(setup: Setup, args: argparse.Namespace, prep: Prepared, aiperf: str, tokenizer: str, hub: str
             ) -> dict[str, Any]:
     if setup.fast:
@@ -405,25 +443,19 @@ def one_run(setup: Setup, args: argparse.Namespace, prep: Prepared, aiperf: str,
         server = LlamaServer(slots, n_slots=2, cache_ram=cache_ram, extra=["--metrics"])
         url = server.url
         if setup.variant is not None:
-            env = {"LLAMA_URL": server.url, "SLOT_SAVE_PATH": slots, "META_DIR": str(work / "meta"),
-                   **VARIANTS[setup.variant], **dict(args.lpcache_env)}
-            base["lpcache_env"] = {k: v for k, v in env.items() if k not in ("LLAMA_URL", "SLOT_SAVE_PATH", "META_DIR")}
-            try:
-                proxy = LpcacheProcess(env)
-            except RuntimeError as e:
-                return {**base, "skipped": f"lpcache did not start: {start_reason(str(e), env)}"}
+            started = start_lpcache(setup, args, server.url, slots, work, base)
+            if isinstance(started, str):
+                return {**base, "skipped": started}
+            proxy = started
             url = proxy.url
         out = work / "aiperf"
-        argv = aiperf_argv(aiperf, url, tokenizer, str(prep.dataset), str(out), setup.sessions,
-                           len(prep.conversations), args)
-        load_before = os.getloadavg()[0]
-        before = computed_tokens(server.url)
-        started = time.perf_counter()
-        proc = run_aiperf(argv, work, hub, args.timeout)
+        llama_url = server.url
+        timed = timed_aiperf(url, setup, args, prep, (aiperf, tokenizer, hub), work,
+                             lambda: computed_tokens(llama_url))
+        proc, wall, load_before = timed.proc, timed.wall, timed.load_before
         if proc is None:
             return {**base, "skipped": f"aiperf did not finish in {args.timeout:g} s (--timeout)"}
-        wall = time.perf_counter() - started
-        computed = computed_tokens(server.url) - before
+        computed = computed_tokens(server.url) - timed.before
         load_after = os.getloadavg()[0]
         if not (out / "profile_export_aiperf.json").is_file():
             return {**base, **no_results(work, proc)}
@@ -529,24 +561,16 @@ def fast_run(setup: Setup, args: argparse.Namespace, prep: Prepared, aiperf: str
         stand_in = stand_in_of(prep, args.fast_factor)
         base["stand_in"] = stand_in
         mock = MockProcess(str(slots), n_slots=stand_in["slots"], extra=stand_in_argv(stand_in))
-        assert setup.variant is not None
-        env = {"LLAMA_URL": mock.url, "SLOT_SAVE_PATH": str(slots), "META_DIR": str(work / "meta"),
-               **VARIANTS[setup.variant], **dict(args.lpcache_env)}
-        base["lpcache_env"] = {k: v for k, v in env.items() if k not in ("LLAMA_URL", "SLOT_SAVE_PATH", "META_DIR")}
-        try:
-            proxy = LpcacheProcess(env)
-        except RuntimeError as e:
-            return {**base, "skipped": f"lpcache did not start: {start_reason(str(e), env)}"}
+        started = start_lpcache(setup, args, mock.url, str(slots), work, base)
+        if isinstance(started, str):
+            return {**base, "skipped": started}
+        proxy = started
         out = work / "aiperf"
-        argv = aiperf_argv(aiperf, proxy.url, tokenizer, str(prep.dataset), str(out), setup.sessions,
-                           len(prep.conversations), args)
-        load_before = os.getloadavg()[0]
-        before = mock_stats(mock.url)
-        started = time.perf_counter()
-        proc = run_aiperf(argv, work, hub, args.timeout)
+        timed = timed_aiperf(proxy.url, setup, args, prep, (aiperf, tokenizer, hub), work,
+                             lambda: mock_stats(mock.url))
+        proc, wall, load_before, before = timed.proc, timed.wall, timed.load_before, timed.before
         if proc is None:
             return {**base, "skipped": f"aiperf did not finish in {args.timeout:g} s (--timeout)"}
-        wall = time.perf_counter() - started
         settled = settle(proxy.url)
         figures = lpcache_figures(proxy.url)
         during = mock_stats(mock.url)
