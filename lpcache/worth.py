@@ -17,8 +17,8 @@ save's own wait is not weighed: the server goes on with its batch meanwhile, and
 the client has its answer (weighing it left every short turn on a busy CPU unsaved, and computed again).
 On a CPU or an Apple chip a token's prefill costs milliseconds and its save or restore microseconds: nearly every
 conversation's cache is saved, short turns included. On a GPU the prefill is as quick as the disk: nothing is, and
-no byte is written. Where the server's RAM prompt cache serves the returns, few are needed from a file, and the waits
-of a save no longer pay: nothing is saved either.
+no byte is written. Where the server's RAM prompt cache serves the returns, few are needed from a file, and the
+prefill a file would spare no longer pays for its save: nothing is saved either.
 
 Before a save has been measured on a backend there is no save rate: a cache is then saved when its own prefill took at
 least PROBE_SECONDS, which is where a save cannot cost much in comparison on any disk, and is what teaches the rate.
