@@ -247,9 +247,9 @@ class SlotFiller:
             raise
         if plan is not None and not planned:
             log.info("own_slot_still_busy key=%s plan_s=%.2f waited_s=%.2f: the busy slot that holds more of the "
-                     "prompt was not free within plan_s (what waiting for it could spare); the request took the first "
-                     "slot to come free (waited_s: both waits)", prompt.key[:16], plan.seconds,
-                     time.perf_counter() - started)
+                     "prompt was not free within plan_s (what waiting for it could spare), or went to a request ahead "
+                     "in line; the request took the first slot to come free (waited_s: both waits)", prompt.key[:16],
+                     plan.seconds, time.perf_counter() - started)
         if homes and choice.slot.backend not in homes:
             budget = self.budget(prompt)
             log.info("session_away file=%s slot=%s homes=%s plan=%s waited=%s home_slots=%s speeds=%s: the session's "

@@ -63,6 +63,8 @@ class Slot:
     computing: int = 0               # while busy: identity blocks of its prompt the server computes (not cached)
     answer_tokens: int | None = None  # while busy: the most tokens its answer may have (max_tokens), when said
     replans: list[Callable[[], None]] = field(default_factory=list)   # the waits planned on it, to decide again
+    losers: list[Callable[[], None]] = field(default_factory=list)    # the waits planned on it, ended when it is
+                                                                        # handed to another request
     elsewhere: str | None = None     # with REDIS_URL: the replica whose request holds it (`fleet`) ...
     elsewhere_until: float = 0.0     # ... until then at most (monotonic; its lease's expiry as last seen)
     restoring: str | None = None     # ... and the saved cache that request restores into it first, if any
@@ -226,7 +228,7 @@ def wait_plan(slots: Sequence[Slot], prompt: Prompt | None, candidate: Candidate
             held = (slot.pending or slot.content) if slot.taken else None
             if held is not None and held.key == session and ok(slot):
                 seconds = budget(slot, n, False)
-                return WaitPlan(_only(slot), seconds) if seconds > 0 else None
+                return WaitPlan(_only(slot), seconds, slot) if seconds > 0 else None
         mine = [s for s in slots if ok(s) and s.backend in homes]
         if homes and mine and all(s.taken for s in mine):
             seconds = budget(_soonest(mine), n, False)
@@ -474,6 +476,8 @@ class SlotPool:
         if plan is not None and waiter.want is narrow:
             bound = loop.time() + max(plan.seconds, 0.0)
             widening = loop.call_at(bound, widen)
+            if target is not None:
+                target.losers.append(widen)   # handed to a request ahead in the line: waiting on is pointless
             if target is not None and plan.recheck is not None:
                 again = plan.recheck
 
@@ -510,6 +514,8 @@ class SlotPool:
                 widening.cancel()
             if target is not None and replan is not None:
                 target.replans.remove(replan)
+            if target is not None and widen in target.losers:
+                target.losers.remove(widen)
 
     def progressed(self, slot: Slot) -> None:
         """The request in `slot` got its first token: the requests waiting for that slot decide how long again."""
@@ -562,7 +568,9 @@ class SlotPool:
 
     def wake(self) -> None:
         """Hand idle slots to the waiters, in arrival order; a waiter none of whose allowed slots is idle keeps
-        its place without holding up the ones behind it."""
+        its place without holding up the ones behind it. A waiter that waited for a slot now handed to a request
+        ahead of it in the line waits for any slot from then on (in its place): that slot will hold something else."""
+        handed: list[Slot] = []
         for waiter in list(self._waiters):
             if waiter.future.done():
                 self._waiters.remove(waiter)
@@ -570,10 +578,15 @@ class SlotPool:
             idle = self.idle(waiter.want.allowed)
             if not idle:
                 if not self.idle():
-                    return
+                    break
                 continue
             self._waiters.remove(waiter)
-            waiter.future.set_result(self._take(waiter.want.choose(idle, self.load())))
+            choice = self._take(waiter.want.choose(idle, self.load()))
+            waiter.future.set_result(choice)
+            handed.append(choice.slot)
+        for slot in handed:
+            for widen in list(slot.losers):
+                widen()   # a no-op for the waiter that got it
 
 
 class Lease:

@@ -686,6 +686,45 @@ async def test_a_request_whose_planned_wait_runs_out_keeps_its_turn_in_line() ->
     assert not any(s.busy for s in pool.slots) and pool.waiting == 0
 
 
+async def test_a_wait_for_a_slot_ends_when_that_slot_goes_to_a_request_ahead_in_line() -> None:
+    """Both slots busy; W1 (any slot) came first, then W2 planned 60 s on s0 (its session's slot, saving its last
+    turn). s0 frees and goes to W1, the first in line: s0 will hold W1's conversation now, so W2 stops waiting for it
+    and takes s1 the moment it frees, not once its 60 s plan ran out."""
+    s0, s1 = slot(0, 0), slot(0, 1)
+    pool = SlotPool([s0, s1])
+    held0 = await pool.acquire(Want(allowed=lambda s: s is s0))
+    held1 = await pool.acquire(Want(allowed=lambda s: s is s1))
+    w1 = asyncio.create_task(pool.take(Want(), None))
+    await _until(lambda: pool.waiting == 1)
+    w2 = asyncio.create_task(pool.take(Want(), WaitPlan(lambda s: s is s0, 60.0, s0)))
+    await _until(lambda: pool.waiting == 2)
+    pool.release(held0.slot)
+    got1, _ = await w1
+    assert got1.slot is s0 and not w2.done()
+    pool.release(held1.slot)
+    await _until(w2.done)                        # at once: no clock runs out first
+    got2, planned = await w2
+    assert got2.slot is s1 and not planned
+    pool.release(got1.slot)
+    pool.release(got2.slot)
+    assert not any(s.busy for s in pool.slots) and pool.waiting == 0 and s0.losers == s1.losers == []
+
+
+async def test_a_wait_for_a_slot_gets_it_when_nobody_is_ahead() -> None:
+    """The same plan with nobody ahead in line: s0 frees and goes to the request that waited for it."""
+    s0, s1 = slot(0, 0), slot(0, 1)
+    pool = SlotPool([s0, s1])
+    held0 = await pool.acquire(Want(allowed=lambda s: s is s0))
+    held1 = await pool.acquire(Want(allowed=lambda s: s is s1))
+    w = asyncio.create_task(pool.take(Want(), WaitPlan(lambda s: s is s0, 60.0, s0)))
+    await _until(lambda: pool.waiting == 1)
+    pool.release(held0.slot)
+    got, planned = await w
+    assert got.slot is s0 and planned and s0.losers == []
+    pool.release(got.slot)
+    pool.release(held1.slot)
+
+
 # ---- the server's RAM prompt cache: relied on over a file while it serves ----
 
 def test_a_server_s_ram_is_relied_on_while_its_expected_misses_cost_less_than_a_restore() -> None:
