@@ -63,8 +63,8 @@ class Slot:
     computing: int = 0               # while busy: identity blocks of its prompt the server computes (not cached)
     answer_tokens: int | None = None  # while busy: the most tokens its answer may have (max_tokens), when said
     replans: list[Callable[[], None]] = field(default_factory=list)   # the waits planned on it, to decide again
-    losers: list[Callable[[], None]] = field(default_factory=list)    # the waits planned on it, ended when it is
-                                                                        # handed to another request
+    on_handover: list[Callable[[], None]] = field(default_factory=list)   # every wait planned on it, ended when
+                                                                         # it goes to another request
     elsewhere: str | None = None     # with REDIS_URL: the replica whose request holds it (`fleet`) ...
     elsewhere_until: float = 0.0     # ... until then at most (monotonic; its lease's expiry as last seen)
     restoring: str | None = None     # ... and the saved cache that request restores into it first, if any
@@ -477,7 +477,7 @@ class SlotPool:
             bound = loop.time() + max(plan.seconds, 0.0)
             widening = loop.call_at(bound, widen)
             if target is not None:
-                target.losers.append(widen)   # handed to a request ahead in the line: waiting on is pointless
+                target.on_handover.append(widen)   # handed to a request ahead in the line: waiting on is pointless
             if target is not None and plan.recheck is not None:
                 again = plan.recheck
 
@@ -514,8 +514,8 @@ class SlotPool:
                 widening.cancel()
             if target is not None and replan is not None:
                 target.replans.remove(replan)
-            if target is not None and widen in target.losers:
-                target.losers.remove(widen)
+            if target is not None and widen in target.on_handover:
+                target.on_handover.remove(widen)
 
     def progressed(self, slot: Slot) -> None:
         """The request in `slot` got its first token: the requests waiting for that slot decide how long again."""
@@ -585,7 +585,7 @@ class SlotPool:
             waiter.future.set_result(choice)
             handed.append(choice.slot)
         for slot in handed:
-            for widen in list(slot.losers):
+            for widen in list(slot.on_handover):
                 widen()   # a no-op for the waiter that got it
 
 

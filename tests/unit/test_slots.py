@@ -707,7 +707,7 @@ async def test_a_wait_for_a_slot_ends_when_that_slot_goes_to_a_request_ahead_in_
     assert got2.slot is s1 and not planned
     pool.release(got1.slot)
     pool.release(got2.slot)
-    assert not any(s.busy for s in pool.slots) and pool.waiting == 0 and s0.losers == s1.losers == []
+    assert not any(s.busy for s in pool.slots) and pool.waiting == 0 and s0.on_handover == s1.on_handover == []
 
 
 async def test_a_wait_for_a_slot_gets_it_when_nobody_is_ahead() -> None:
@@ -720,7 +720,7 @@ async def test_a_wait_for_a_slot_gets_it_when_nobody_is_ahead() -> None:
     await _until(lambda: pool.waiting == 1)
     pool.release(held0.slot)
     got, planned = await w
-    assert got.slot is s0 and planned and s0.losers == []
+    assert got.slot is s0 and planned and s0.on_handover == []
     pool.release(got.slot)
     pool.release(held1.slot)
 
