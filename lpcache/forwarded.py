@@ -72,6 +72,7 @@ async def generate(crew: Crew, settings: Settings, path: str, path_qs: str, head
             held = slot.content
             if held is not None and held.dirty and crew.filler.enabled(backend, held.model):
                 await crew.saver.save_held(backend, slot, held, record)
+            crew.pool.handed_over(slot)
             if pinned:
                 body["id_slot"] = slot.id
             try:

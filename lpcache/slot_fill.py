@@ -356,6 +356,8 @@ class SlotFiller:
                 await self.restore(choice, backend, prompt, record)
         finally:
             self.release_choice(choice)
+            # after the restore's I/O: the meta entry of what the slot held (`saved_held`, spawned) is in the index
+            self.pool.handed_over(choice.slot)
 
     async def restore(self, choice: Choice, backend: Backend, prompt: Prompt, record: RequestRecord) -> None:
         """Load the chosen saved cache into the slot. A file that is gone is not asked for; a restore that fails
@@ -439,9 +441,25 @@ class SlotFiller:
             return
         if slot.content is not None and slot.content.dirty and slot.content.session is None:
             await self.saver.index.saving(slot.content.key, backend.config.slot_save_path)   # may be saved here
+
+        booked = False
+
+        async def held_saved(so_far: swap.Swap) -> None:
+            nonlocal booked
+            if so_far.saved is not None and slot.content is not None:
+                self.saver.saved_held(backend, slot, slot.content, so_far.saved, record)
+            booked = True
+            self.pool.handed_over(slot)
+            for other in self.pool.slots:
+                if other.filling is not None and other.content is not None and other.content.key == want.key:
+                    # the session's last turn is in a slot just handed to another request, which saves it first
+                    await other.filling.wait()
+
         result = await swap.bring_in(backend.client, slot.id, slot.content, want, self.saver.folders[backend.index],
-                                     RouterModels.slot_model(backend, prompt.model), restore=restore, owned=True)
-        if result.saved is not None and slot.content is not None:
+                                     RouterModels.slot_model(backend, prompt.model), restore=restore, owned=True,
+                                     held_saved=held_saved)
+        info = self.sessions.get(want.key)
+        if result.saved is not None and slot.content is not None and not booked:
             self.saver.saved_held(backend, slot, slot.content, result.saved, record)
         slot.content = result.held
         restored = result.restored

@@ -65,6 +65,8 @@ class Slot:
     replans: list[Callable[[], None]] = field(default_factory=list)   # the waits planned on it, to decide again
     on_handover: list[Callable[[], None]] = field(default_factory=list)   # every wait planned on it, ended when
                                                                          # it goes to another request
+                                                                         # (`handed_over`)
+    filling: asyncio.Event | None = None   # set once its new holder saved what it held (`handed_over`)
     elsewhere: str | None = None     # with REDIS_URL: the replica whose request holds it (`fleet`) ...
     elsewhere_until: float = 0.0     # ... until then at most (monotonic; its lease's expiry as last seen)
     restoring: str | None = None     # ... and the saved cache that request restores into it first, if any
@@ -450,6 +452,7 @@ class SlotPool:
     def _unclaimed(self, slot: Slot) -> None:
         """A slot handed out here but not ours across replicas: idle again here, as it was."""
         slot.busy = False
+        self._filling_over(slot)
         self.wake()
 
     async def _acquire(self, want: Want, timeout: float, plan: WaitPlan | None) -> tuple[Choice, bool]:
@@ -477,7 +480,7 @@ class SlotPool:
             bound = loop.time() + max(plan.seconds, 0.0)
             widening = loop.call_at(bound, widen)
             if target is not None:
-                target.on_handover.append(widen)   # handed to a request ahead in the line: waiting on is pointless
+                target.on_handover.append(widen)   # went to a request ahead in the line: waiting on is pointless
             if target is not None and plan.recheck is not None:
                 again = plan.recheck
 
@@ -530,6 +533,7 @@ class SlotPool:
         if self.trace is not None:
             self.trace.append((slot.name, time.time(), "give"))
         slot.busy = False
+        self._filling_over(slot)
         slot.pending = None
         slot.phase, slot.free_at = "", None
         slot.stream, slot.sent_at, slot.first_token_at, slot.computing = False, None, None, 0
@@ -564,13 +568,13 @@ class SlotPool:
     def _take(self, choice: Choice) -> Choice:
         choice.slot.busy = True
         choice.slot.used = True
+        self._filling_over(choice.slot)
+        choice.slot.filling = asyncio.Event()
         return choice
 
     def wake(self) -> None:
         """Hand idle slots to the waiters, in arrival order; a waiter none of whose allowed slots is idle keeps
-        its place without holding up the ones behind it. A waiter that waited for a slot now handed to a request
-        ahead of it in the line waits for any slot from then on (in its place): that slot will hold something else."""
-        handed: list[Slot] = []
+        its place without holding up the ones behind it."""
         for waiter in list(self._waiters):
             if waiter.future.done():
                 self._waiters.remove(waiter)
@@ -581,12 +585,25 @@ class SlotPool:
                     break
                 continue
             self._waiters.remove(waiter)
-            choice = self._take(waiter.want.choose(idle, self.load()))
-            waiter.future.set_result(choice)
-            handed.append(choice.slot)
-        for slot in handed:
+            waiter.future.set_result(self._take(waiter.want.choose(idle, self.load())))
+
+    def handed_over(self, slot: Slot) -> None:
+        """The slot's new holder saved what it held before (or found it not worth keeping): the slot is that
+        request's now. A request that waited for the slot waits for any from then on, in its place in the line; one
+        that needs the cache it held (`filling`) finds it on disk. Not at the hand-over itself: a waiter that took
+        another slot then would look for a file not written yet. The waits end on the loop's next turn: after the
+        bookkeeping the save spawned (`Pipeline.spawn`) put the file's entry in the index."""
+        if slot.on_handover:
+            loop = asyncio.get_running_loop()
             for widen in list(slot.on_handover):
-                widen()   # a no-op for the waiter that got it
+                loop.call_soon(widen)
+        self._filling_over(slot)
+
+    @staticmethod
+    def _filling_over(slot: Slot) -> None:
+        if slot.filling is not None:
+            slot.filling.set()
+            slot.filling = None
 
 
 class Lease:

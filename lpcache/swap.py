@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -161,7 +161,7 @@ async def save(client: LlamaClient, slot: int, content: Content, folders: Folder
 
 async def bring_in(client: LlamaClient, slot: int, held: Content | None, want: Content, folders: Folders | None,
                    model: str | None = None, idle_limit: float | None = None, restore: bool = True,
-                   owned: bool = False) -> Swap:
+                   owned: bool = False, held_saved: Callable[[Swap], Awaitable[None]] | None = None) -> Swap:
     """Put the cache `want` (a session's) into the slot that holds `held`.
 
     Nothing to do when the slot holds it already. Else: wait for the slot to be idle; save `held` under its own
@@ -172,7 +172,8 @@ async def bring_in(client: LlamaClient, slot: int, held: Content | None, want: C
 
     `owned`: the caller holds the slot (lpcache's pool), so no request of another client is in it and the server's
     word on its idleness (`GET /slots`, which a busy server answers only after its current batch, seconds on a CPU)
-    is asked only when `held` is to be saved: the save checks the slot holds what lpcache believes."""
+    is asked only when `held` is to be saved: the save checks the slot holds what lpcache believes.
+    `held_saved` is awaited once `held` is on disk (or needs no save), before `want`'s file is looked for."""
     swap = Swap(held)
     if held is not None and held.key == want.key:
         swap.skipped = "resident"
@@ -194,6 +195,8 @@ async def bring_in(client: LlamaClient, slot: int, held: Content | None, want: C
         swap.saved, swap.deleted = await save(client, slot, held, folders, model, frozenset({want.key}))
         if swap.saved.ok:
             swap.held = replace(held, saved=True)
+    if held_saved is not None:
+        await held_saved(swap)
     if not restore:
         swap.skipped = "prefill_faster"
         return swap

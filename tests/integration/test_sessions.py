@@ -347,6 +347,30 @@ def test_slot_busy_with_a_foreign_request_is_waited_for(start_proxy: Any, start_
     assert mock_stats(backend)["slot_actions_while_busy"] == 0   # nothing was sent while the slot was busy
 
 
+def test_a_turn_sent_while_another_request_saves_its_session_restores_that_file(start_proxy: Any,
+                                                                                 start_backend: Any) -> None:
+    """S1's last turn (small: not saved after its answer) is in slot 0, the least recently used; S3 takes slot 0
+    and saves S1's cache there first, slowly. S1's next turn, sent meanwhile, takes slot 1: it waits for that save
+    and restores S1's file, rather than finding no file yet and computing its whole prompt."""
+    backend = start_backend(slots=2)
+    proxy = start_proxy(backend)
+    a = words(1, 40)
+    proxy.push(user(a), sid(S1))                            # slot 0
+    proxy.push(user(words(2, SMALL)), sid(S2))              # slot 1
+    slot0 = proxy.pipeline.pool.slots[0]
+    assert slot0.content is not None and slot0.content.session == S1 and slot0.content.dirty
+    httpx.post(f"{backend.url}/mock/faults", json={"latency_ms": 1500, "paths": ["/slots/0"]}).raise_for_status()
+    third = threading.Thread(target=proxy.chat, args=(user(words(3, SMALL)), sid(S3)))
+    third.start()
+    _until(lambda: slot0.busy)                               # S3 has slot 0 and is saving S1 there
+    r = proxy.chat(user(a + " and one more question"), sid(S1))
+    third.join()
+    proxy.wait_finished(4)
+    mine = next(rec for rec in proxy.records if rec.session == S1 and rec.slot == 1)
+    assert r.status_code == 200 and mine.restored is True, "S1's file, written meanwhile, was restored"
+    assert r.json()["timings"]["cache_n"] >= 40
+
+
 def _until(condition: Any, timeout: float = 10.0) -> None:
     import time
 

@@ -686,10 +686,11 @@ async def test_a_request_whose_planned_wait_runs_out_keeps_its_turn_in_line() ->
     assert not any(s.busy for s in pool.slots) and pool.waiting == 0
 
 
-async def test_a_wait_for_a_slot_ends_when_that_slot_goes_to_a_request_ahead_in_line() -> None:
+async def test_a_wait_for_a_slot_ends_once_the_request_ahead_that_got_it_saved_what_it_held() -> None:
     """Both slots busy; W1 (any slot) came first, then W2 planned 60 s on s0 (its session's slot, saving its last
-    turn). s0 frees and goes to W1, the first in line: s0 will hold W1's conversation now, so W2 stops waiting for it
-    and takes s1 the moment it frees, not once its 60 s plan ran out."""
+    turn). s0 frees and goes to W1, the first in line: s0 will hold W1's conversation, so W2 stops waiting for it
+    once W1 saved what s0 held (`handed_over`: W2's file is on disk then), not when its 60 s plan runs out, and not
+    before (it would look for a file not written yet). It then takes s1, free meanwhile."""
     s0, s1 = slot(0, 0), slot(0, 1)
     pool = SlotPool([s0, s1])
     held0 = await pool.acquire(Want(allowed=lambda s: s is s0))
@@ -700,10 +701,13 @@ async def test_a_wait_for_a_slot_ends_when_that_slot_goes_to_a_request_ahead_in_
     await _until(lambda: pool.waiting == 2)
     pool.release(held0.slot)
     got1, _ = await w1
-    assert got1.slot is s0 and not w2.done()
+    assert got1.slot is s0 and s0.filling is not None and not s0.filling.is_set()
     pool.release(held1.slot)
-    await _until(w2.done)                        # at once: no clock runs out first
-    got2, planned = await w2
+    assert not w2.done() and not s1.busy and pool.waiting == 1   # s0's old cache is not on disk yet
+    filling = s0.filling
+    pool.handed_over(s0)
+    assert filling.is_set() and s0.filling is None
+    got2, planned = await w2                     # at once: no clock runs out first
     assert got2.slot is s1 and not planned
     pool.release(got1.slot)
     pool.release(got2.slot)
