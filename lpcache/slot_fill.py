@@ -37,7 +37,7 @@ from .router_models import RouterModels
 from .saving import Saver, int_or_none, resavable, slot_files_off
 from .server_cache import RAM_HIT_SHARE
 from .sessions import SessionBook, route_name
-from .slots import Budget, Choice, Content, Slot, SlotPool, WaitPlan, Want, wait_plan
+from .slots import RESIDENT_MIN_SHARE, Budget, Choice, Content, Slot, SlotPool, WaitPlan, Want, wait_plan
 from .speeds import SpeedBook, Speeds
 
 log = logging.getLogger("lpcache.slot_fill")
@@ -245,6 +245,8 @@ class SlotFiller:
         except SlotsBusy:
             record.reason = "slot_timeout"
             raise
+        if want is None:
+            choice = await self.after_save_under_way(choice, asked, prompt)
         if plan is not None and not planned:
             log.info("own_slot_still_busy key=%s plan_s=%.2f waited_s=%.2f: the busy slot that holds more of the "
                      "prompt was not free within plan_s (what waiting for it could spare), or went to a request ahead "
@@ -281,6 +283,46 @@ class SlotFiller:
             log.info("restore_candidate key=%s shared_blocks=%d of=%d ratio=%.3f exact=%s", c.entry.key[:16],
                      c.shared, len(prompt.exact), c.ratio, str(c.exact).lower())
         return choice
+
+    async def after_save_under_way(self, choice: Choice, asked: Want, prompt: Prompt) -> Choice:
+        """A slot whose answer is over and whose cache is being saved (`phase` "save") may hold more of the prompt
+        than the chosen slot or file brings: an agent's next session sent the moment the previous answer ended, while
+        the one request allowed to wait for that slot waits for it. Its file is on disk in a moment (a save takes a
+        fraction of the prefill it spares): wait for that slot's release, at most the prefill of what it brings more
+        (SLOT_AFFINITY_WAIT before the speeds are learnt), then choose what to restore into this slot again."""
+        cap = self.settings.slot_affinity_wait
+        if cap <= 0 or not prompt.exact:
+            return choice
+        mine = choice.slot
+        brought = choice.restore.shared if choice.restore is not None else choice.resident
+        least = max(1, math.ceil(RESIDENT_MIN_SHARE * len(prompt.exact)))
+        best, more = None, 0
+        for other in self.pool.slots:
+            held = other.pending or other.content
+            if other is mine or not other.busy or other.phase != "save" or held is None or held.session is not None \
+                    or other.slot_save_path != mine.slot_save_path or not mine.kv_cache:
+                continue
+            shared = common_prefix(held.chain, prompt.exact)
+            if shared >= least and shared - brought > more:
+                best, more = other, shared - brought
+        if best is None:
+            return choice
+        backend = self.backends[mine.backend]
+        speeds = self.speeds.of(backend.index, RouterModels.served(backend, prompt.model))
+        spared = speeds.prefill.seconds(speeds.tokens_of(more))
+        started = time.perf_counter()
+        mine.pending = Content(prompt.key, prompt.exact)   # what other requests see in it meanwhile
+        try:
+            released = await self.pool.until_released(best, cap if spared is None else min(cap, spared))
+        except BaseException:   # cancelled (the client left): the slot goes back as it was
+            self.release_choice(choice)
+            self.pool.release(mine, True, used=False)
+            raise
+        log.info("waited_for_save slot=%s saving=%s blocks=%d released=%s ms=%.1f: a slot being saved held more of "
+                 "the prompt than this one or its best file", mine.name, best.name, more, str(released).lower(),
+                 (time.perf_counter() - started) * 1000.0)
+        self.release_choice(choice)
+        return asked.choose([mine], self.pool.load())
 
     def warm(self, prompt: Prompt) -> tuple[int, int, bool] | None:
         """The server whose RAM prompt cache likely holds the longest prefix of the prompt (`server_cache`), how

@@ -67,6 +67,7 @@ class Slot:
                                                                          # it goes to another request
                                                                          # (`handed_over`)
     filling: asyncio.Event | None = None   # set once its new holder saved what it held (`handed_over`)
+    on_release: asyncio.Event | None = None   # set when it is given back (`SlotPool.until_released`)
     elsewhere: str | None = None     # with REDIS_URL: the replica whose request holds it (`fleet`) ...
     elsewhere_until: float = 0.0     # ... until then at most (monotonic; its lease's expiry as last seen)
     restoring: str | None = None     # ... and the saved cache that request restores into it first, if any
@@ -534,6 +535,9 @@ class SlotPool:
             self.trace.append((slot.name, time.time(), "give"))
         slot.busy = False
         self._filling_over(slot)
+        if slot.on_release is not None:
+            slot.on_release.set()
+            slot.on_release = None
         slot.pending = None
         slot.phase, slot.free_at = "", None
         slot.stream, slot.sent_at, slot.first_token_at, slot.computing = False, None, None, 0
@@ -545,6 +549,20 @@ class SlotPool:
         if self.claims is not None:
             self.claims.released(slot)
         self.wake()
+
+    async def until_released(self, slot: Slot, timeout: float) -> bool:
+        """Wait until the busy `slot` is given back (`release`), `timeout` seconds at most; whether it was."""
+        if not slot.busy:
+            return True
+        if slot.on_release is None:
+            slot.on_release = asyncio.Event()
+        released = slot.on_release
+        try:
+            async with asyncio.timeout(timeout):
+                await released.wait()
+        except TimeoutError:
+            return False
+        return True
 
     async def take_idle(self, slot: Slot, force: bool = False) -> bool:
         """Take this slot for lpcache's own work (an idle save) when it is idle and no request waits for a slot

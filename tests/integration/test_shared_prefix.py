@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import threading
+import time
 from typing import Any
 
 import httpx
@@ -69,3 +71,40 @@ def test_concurrent_requests_sharing_a_long_prefix(start_backend: Any, start_pro
         second = proxy.records[WAVE:]
         assert any((r.cache_n or 0) > 200 for r in second), [(r.cache_n, r.restored) for r in second]
     assert os.listdir(proxy.settings.meta_dir), "the prefix was saved"
+
+
+def test_a_request_sent_while_a_slot_saves_the_prefix_it_shares_restores_that_file(start_backend: Any,
+                                                                                    start_proxy: Any) -> None:
+    """A's answer is over and slot 0 saves its cache (slowly); C, sharing the prefix, waits for slot 0 (one request
+    waits for a slot, not several). B, sharing it too and sent then, finds no file yet and slot 0 spoken for: it
+    takes slot 1, waits for slot 0's save and restores that file, rather than computing the prefix beside C."""
+    backend = start_backend(slots=2, prefill_ms_per_token=10.0, gen_ms_per_token=1.0)
+    proxy: Proxy = start_proxy(backend)
+    slot0 = proxy.pipeline.pool.slots[0]
+
+    def ask(text: str) -> threading.Thread:
+        thread = threading.Thread(target=proxy.chat, args=([{"role": "user", "content": f"{PREFIX} {text}"}],),
+                                  kwargs={"max_tokens": 4})
+        thread.start()
+        return thread
+
+    httpx.post(f"{backend.url}/mock/faults", json={"latency_ms": 1500, "paths": ["/slots/0"]}).raise_for_status()
+    a = ask("question A: " + words(1, 8))
+    _until(lambda: slot0.busy and slot0.phase == "save")        # A's answer is over: its save is under way
+    c = ask("question C: " + words(3, 8))
+    _until(lambda: slot0.awaited)                                # C waits for slot 0
+    b = ask("question B: " + words(2, 8))
+    for thread in (a, b, c):
+        thread.join()
+    proxy.wait_finished(3)
+    first, *rest = proxy.records
+    mine = next(r for r in rest if r.slot == 1)
+    assert first.slot == 0 and first.saved is True
+    assert mine.restored is True and mine.cache_n and mine.cache_n >= 300, "B restored A's file"
+    assert mine.prompt_n is not None and mine.prompt_n < 40
+
+
+def _until(condition: Any, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
