@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
@@ -14,6 +15,14 @@ from lpcache.config import BackendConfig, Settings
 from lpcache.mock_llama import MockConfig, MockHandle, start_mock
 
 from ..conftest import Proxy, user, words  # noqa: F401  (re-exported for the tests here)
+
+
+def until(condition: Callable[[], object], timeout: float = 30.0) -> None:
+    """Poll `condition` (every 5 ms, leaving the GIL to lpcache's thread) until it holds; fail after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.005)
 
 
 def mock_stats(mock: MockHandle) -> dict[str, Any]:

@@ -16,7 +16,7 @@ import pytest
 from lpcache.config import BackendConfig
 
 from ..conftest import Proxy, user, words
-from .conftest import mock_stats
+from .conftest import mock_stats, until
 
 QUESTION = user(words(1, 30))
 
@@ -35,13 +35,6 @@ def content_of(r: httpx.Response, stream: bool) -> str:
 def send(proxy: Proxy, stream: bool, **extra: Any) -> httpx.Response:
     return proxy.client.post("/v1/chat/completions", json={"messages": QUESTION, "max_tokens": 40,
                                                           "temperature": 0, "stream": stream, **extra})
-
-
-def until(condition: Any, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
 
 
 def test_twenty_identical_requests_make_one_backend_call(start_backend: Any, start_proxy: Any) -> None:

@@ -16,7 +16,7 @@ from lpcache.index import prefix_file
 from lpcache.sessions import route_tag, session_filename
 
 from ..conftest import figures, user, words
-from .conftest import STAND_IN_FP, mock_stats
+from .conftest import STAND_IN_FP, mock_stats, until
 
 BIG = 200    # words: big with the test threshold of 50
 SMALL = 20
@@ -338,7 +338,7 @@ def test_slot_busy_with_a_foreign_request_is_waited_for(start_proxy: Any, start_
 
     thread = threading.Thread(target=foreign)
     thread.start()
-    _until(lambda: any(s.get("is_processing") for s in httpx.get(f"{backend.url}/slots").json()))
+    until(lambda: any(s.get("is_processing") for s in httpx.get(f"{backend.url}/slots").json()))
     r = proxy.push(user(words(2, SMALL)), sid(S2))        # a swap: S1 changed (small) would be saved, then S2's
     thread.join()
     assert r.status_code == 200 and done.is_set()
@@ -362,21 +362,13 @@ def test_a_turn_sent_while_another_request_saves_its_session_restores_that_file(
     httpx.post(f"{backend.url}/mock/faults", json={"latency_ms": 1500, "paths": ["/slots/0"]}).raise_for_status()
     third = threading.Thread(target=proxy.chat, args=(user(words(3, SMALL)), sid(S3)))
     third.start()
-    _until(lambda: slot0.busy)                               # S3 has slot 0 and is saving S1 there
+    until(lambda: slot0.busy)                               # S3 has slot 0 and is saving S1 there
     r = proxy.chat(user(a + " and one more question"), sid(S1))
     third.join()
     proxy.wait_finished(4)
     mine = next(rec for rec in proxy.records if rec.session == S1 and rec.slot == 1)
     assert r.status_code == 200 and mine.restored is True, "S1's file, written meanwhile, was restored"
     assert r.json()["timings"]["cache_n"] >= 40
-
-
-def _until(condition: Any, timeout: float = 10.0) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
 
 
 @pytest.mark.parametrize(("prefill_ms_per_token", "restored"), [(0.0001, False), (5.0, True)])

@@ -11,7 +11,6 @@ import asyncio
 import os
 import random
 import threading
-import time
 from typing import Any
 
 import httpx
@@ -21,6 +20,7 @@ from lpcache import llama
 from lpcache.soak import KEYS, Ask, Soak, fault_kinds
 
 from ..conftest import Proxy, words
+from .conftest import until
 
 PREFIX = words(77, 300)   # far above big_threshold_words=50: saved, restored, shared
 WAVE = 8
@@ -90,9 +90,9 @@ def test_a_request_sent_while_a_slot_saves_the_prefix_it_shares_restores_that_fi
 
     httpx.post(f"{backend.url}/mock/faults", json={"latency_ms": 1500, "paths": ["/slots/0"]}).raise_for_status()
     a = ask("question A: " + words(1, 8))
-    _until(lambda: slot0.busy and slot0.phase == "save")        # A's answer is over: its save is under way
+    until(lambda: slot0.busy and slot0.phase == "save")        # A's answer is over: its save is under way
     c = ask("question C: " + words(3, 8))
-    _until(lambda: slot0.awaited)                                # C waits for slot 0
+    until(lambda: slot0.awaited)                                # C waits for slot 0
     b = ask("question B: " + words(2, 8))
     for thread in (a, b, c):
         thread.join()
@@ -102,9 +102,3 @@ def test_a_request_sent_while_a_slot_saves_the_prefix_it_shares_restores_that_fi
     assert first.slot == 0 and first.saved is True
     assert mine.restored is True and mine.cache_n and mine.cache_n >= 300, "B restored A's file"
     assert mine.prompt_n is not None and mine.prompt_n < 40
-
-
-def _until(condition: Any, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
