@@ -484,13 +484,11 @@ class SlotFiller:
         if slot.content is not None and slot.content.dirty and slot.content.session is None:
             await self.saver.index.saving(slot.content.key, backend.config.slot_save_path)   # may be saved here
 
-        booked = False
-
         async def held_saved(so_far: swap.Swap) -> None:
-            nonlocal booked
+            # bring_in calls this right after any save of what the slot held: the bookkeeping is done here, before
+            # the hand-over wakes the requests that look for that file
             if so_far.saved is not None and slot.content is not None:
                 self.saver.saved_held(backend, slot, slot.content, so_far.saved, record)
-            booked = True
             self.pool.handed_over(slot)
             for other in self.pool.slots:
                 if other.filling is not None and other.content is not None and other.content.key == want.key:
@@ -500,9 +498,6 @@ class SlotFiller:
         result = await swap.bring_in(backend.client, slot.id, slot.content, want, self.saver.folders[backend.index],
                                      RouterModels.slot_model(backend, prompt.model), restore=restore, owned=True,
                                      held_saved=held_saved)
-        info = self.sessions.get(want.key)
-        if result.saved is not None and slot.content is not None and not booked:
-            self.saver.saved_held(backend, slot, slot.content, result.saved, record)
         slot.content = result.held
         restored = result.restored
         if restored is not None:
