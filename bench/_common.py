@@ -122,10 +122,14 @@ class _Stoppable(Protocol):
 
 def stop_run(work: Path, *started: _Stoppable | None) -> None:
     """The end of a benchmark run, however it ended: what it started stopped in order (lpcache before its
-    llama-server), then its scratch folder removed."""
+    llama-server), then its scratch folder removed (copied first into `BENCH_KEEP` when that is set, slot files left
+    out)."""
     for process in started:
         if process is not None:
             process.stop()
+    keep = os.environ.get("BENCH_KEEP")
+    if keep:
+        shutil.copytree(work, Path(keep) / work.name, dirs_exist_ok=True, ignore=shutil.ignore_patterns("slots*"))
     shutil.rmtree(work, ignore_errors=True)
 
 
