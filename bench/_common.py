@@ -129,7 +129,10 @@ def stop_run(work: Path, *started: _Stoppable | None) -> None:
             process.stop()
     keep = os.environ.get("BENCH_KEEP")
     if keep:
-        shutil.copytree(work, Path(keep) / work.name, dirs_exist_ok=True, ignore=shutil.ignore_patterns("slots*"))
+        try:
+            shutil.copytree(work, Path(keep) / work.name, dirs_exist_ok=True, ignore=shutil.ignore_patterns("slots*"))
+        except OSError as e:   # a debugging aid: never the reason a run fails
+            print(f"BENCH_KEEP: {work} not kept: {e}", file=sys.stderr)
     shutil.rmtree(work, ignore_errors=True)
 
 
