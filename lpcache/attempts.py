@@ -249,6 +249,7 @@ class Attempts:
                     self.record.cache_hit = choice.resident > 0
                 self.sent = True
                 choice.slot.phase, choice.slot.sent_at = "generate", time.monotonic()
+                backend.launched_at = choice.slot.sent_at
                 upstream = await backend.client.chat(self.body, choice.slot.id, self.path, self.client_auth)
             except BackendUnreachable:
                 raise   # `start` fails over (`_failed`)

@@ -124,9 +124,10 @@ def log_record(record: RequestRecord) -> None:
         return
     log.info(
         "request_done status=%s stream=%s words=%s big=%s slot=%s restored=%s cache_n=%s prompt_n=%s ttft_ms=%s "
-        "saved=%s reason=%s ms=%.1f key=%s",
+        "saved=%s reason=%s ms=%.1f key=%s route=%s session=%s",
         record.status, record.stream, record.n_words, record.big,
         None if record.slot is None else f"{record.backend}#{record.slot}", record.restored, record.cache_n,
         record.prompt_n, None if record.ttft_ms is None else round(record.ttft_ms, 1), record.saved,
-        record.reason or "-", record.elapsed_ms or 0.0, (record.key or "-")[:16],
+        record.reason or "-", record.elapsed_ms or 0.0, (record.key or "-")[:16], record.route or "-",
+        (record.session or "-")[:24],
     )

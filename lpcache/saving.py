@@ -206,14 +206,15 @@ class Saver:
                 record.missed_kind, record.missed_tokens, record.missed_seconds = missed
         why = ""
         if worth.auto:
-            big, decision = worth.decide(speeds, content.tokens, record.prefill_ms, record.prompt_n)
+            ram_miss = backend.ram.miss_rate(now)
+            big, decision = worth.decide(speeds, content.tokens, record.prefill_ms, record.prompt_n, ram_miss)
             record.big, record.save_decision = big, decision
             content = replace(content, keep=big)
             why = "" if big else "not_worth"
             if decision != "probe" and self._verdicts.get((backend.index, served)) != big:
                 self._verdicts[(backend.index, served)] = big
                 log.info("save_verdict backend=%s model=%s worth=%s tokens=%s %s: caches like this one are %s",
-                         backend.url, served, str(big).lower(), content.tokens, worth.describe(speeds),
+                         backend.url, served, str(big).lower(), content.tokens, worth.describe(speeds, ram_miss),
                          "saved (a file spares more prefill than it costs here)" if big else
                          "not saved (a file would not spare enough prefill here to pay for its writing)")
         elif not big:

@@ -17,10 +17,14 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 LIMIT = 200_000   # digests remembered (about 30 MB)
-RAM_WINDOW = 16              # the last requests left to a server's RAM cache, whose outcomes are weighed
+RAM_WINDOW = 32              # the last requests left to a server's RAM cache, whose outcomes are weighed
 RAM_RETRY_SECONDS = 600.0    # outcomes older than this are forgotten: the server may have been restarted otherwise
 RAM_HIT_SHARE = 0.5          # cache_n at least this share of what the RAM should hold: it served the prompt
 RAM_MISS_PRIOR = (1, 1)      # Beta prior of a server's RAM miss rate: (misses, hits), so one half before any outcome
+PROBE_PAYBACK = 20.0         # a RAM not seen lately is tried once restores spared 20 times the prefill a miss costs
+                             # (then on every prompt while it serves them; after a miss, once the miss is forgotten)
+RAM_TRUST = 8                # outcomes seen before the RAM's miss rate is trusted over "every return needs a file"
+PROBE_MAX_SECONDS = 5.0      # only with a prompt whose prefill, should the RAM miss it, costs at most this
 
 
 class ServerCaches:
@@ -59,16 +63,20 @@ class RamWatch:
     """Whether a server's RAM prompt cache serves the prompts lpcache leaves to it, from what it did with the last
     ones (hits and misses, `seen`). A prompt is left to the RAM, rather than restored from a file, when the RAM's
     expected cost, its miss rate (with a prior of one half) times the prefill a miss costs, is below the restore's
-    time, its wait for the server's batch included (`rely`). So a server never seen is tried only where a miss
+    time, its wait for the server's batch included (`rely`). So a server never seen is relied on only where a miss
     would cost little more than the restore: behind a busy CPU, whose /slots calls wait for seconds, it is; where a
-    restore takes milliseconds, it is not (one started with `--cache-ram 0` then loses nothing). Outcomes also come
-    for free: a prompt with no file worth restoring goes where the RAM likely holds it anyway. Outcomes older than
+    restore takes milliseconds, it is not, and the RAM is tried now and then instead (`probe`: one started with
+    `--cache-ram 0` loses one prefill every RAM_RETRY_SECONDS). Outcomes also come for free: a prompt with no file worth
+    restoring goes where the RAM likely holds it anyway. What it misses (`miss_rate`) is also what a saved file is
+    needed for (`worth`): where the RAM serves every return, nothing is saved. Outcomes older than
     RAM_RETRY_SECONDS are forgotten (the server may have been restarted since). The RAM of llama-server's default
     `--cache-ram` holds a few long conversations of a real model: it serves some, and misses the others; a small
     model's fit: it serves all."""
 
     def __init__(self) -> None:
         self.outcomes: deque[tuple[float, bool]] = deque(maxlen=RAM_WINDOW)
+        self.spared = 0.0   # seconds of prefill restores from files spared since the last probe
+        self.probes = 0
 
     def seen(self, hit: bool, now: float) -> None:
         self.outcomes.append((now, hit))
@@ -89,3 +97,34 @@ class RamWatch:
             return bool(recent) and all(recent)   # nothing to weigh: only a RAM that served every recent prompt
         misses = (recent.count(False) + RAM_MISS_PRIOR[0]) / (len(recent) + sum(RAM_MISS_PRIOR))
         return misses * prefill_s < restore_s
+
+    def probe(self, prefill_s: float | None, now: float) -> bool:
+        """Whether to leave a prompt `rely` would restore to the RAM all the same, to find out whether it serves.
+        Without probes a RAM never tried stays at a miss rate of one half, which on a CPU never beats a restore: a
+        server whose default RAM cache holds every conversation would see each return restored from a file saved
+        for it, the saves and restores stalling its batch, and nothing would show that both could stop. A probe
+        costs at most one prefill the server alone would also compute had its RAM missed; a RAM not seen lately is
+        tried once the files' restores have spared PROBE_PAYBACK times that prefill since the last probe (so on a
+        server started with `--cache-ram 0` the misses cost at most a twentieth of what the files spare, and only
+        one every RAM_RETRY_SECONDS), then on every prompt while it serves them, and after a miss not until that
+        miss is forgotten; never for a prompt whose prefill exceeds PROBE_MAX_SECONDS."""
+        if prefill_s is None or prefill_s > PROBE_MAX_SECONDS:
+            return False
+        recent = self.recent(now)
+        if not all(recent):
+            return False
+        if not recent and self.spared < PROBE_PAYBACK * prefill_s:
+            return False
+        self.spared = 0.0
+        self.probes += 1
+        return True
+
+    def restored(self, spared_s: float | None) -> None:
+        """A restore from a file spared this much prefill (what pays for the next probe)."""
+        self.spared += spared_s or 0.0
+
+    def miss_rate(self, now: float) -> float:
+        """The share of the prompts left to it that the RAM missed lately; 1 (every return needs a file) until
+        RAM_TRUST outcomes are seen. A saved file is needed only where the RAM misses (`worth`)."""
+        recent = self.recent(now)
+        return recent.count(False) / len(recent) if len(recent) >= RAM_TRUST else 1.0

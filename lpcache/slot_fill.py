@@ -327,23 +327,33 @@ class SlotFiller:
     def warm(self, prompt: Prompt) -> tuple[int, int, bool] | None:
         """The server whose RAM prompt cache likely holds the longest prefix of the prompt (`server_cache`), how
         much of it, and whether its RAM is relied on over a disk restore (`RamWatch.rely`: its recent misses,
-        weighed by the prefill a miss costs, against a restore's time)."""
+        weighed by the prefill a miss costs, against a restore's time; or probed: `slots.choose` leaves the prompt to
+        the RAM only in a slot that holds something, where the server looks there)."""
         found = self.server_caches.find(prompt.exact)
         if found is None:
             return None
         backend = self.backends[found[0]]
         speeds = self.speeds.of(backend.index, RouterModels.served(backend, prompt.model))
-        return found[0], found[1], self.rely_on_ram(backend, speeds, found[1])
+        return found[0], found[1], self.rely_on_ram(backend, speeds, found[1], probe=True)
 
-    def rely_on_ram(self, backend: Backend, speeds: Speeds, blocks: int) -> bool:
+    def rely_on_ram(self, backend: Backend, speeds: Speeds, blocks: int, probe: bool = False) -> bool:
         """Whether to leave `blocks` of a prompt to the server's RAM prompt cache rather than restore them from a
-        file (`server_cache.RamWatch`)."""
+        file (`server_cache.RamWatch`); with `probe`, also to find out whether that RAM serves (`RamWatch.probe`:
+        the caller is about to restore, and its slot holds something, so the server will look in its RAM)."""
         tokens = speeds.tokens_of(blocks)
         prefill = speeds.prefill.seconds(tokens)
         restore = speeds.restore.seconds(tokens)
         if restore is not None:
             restore += (speeds.wait_ms or 0.0) / 1000.0
-        return backend.ram.rely(prefill, restore, time.monotonic())
+        now = time.monotonic()
+        if backend.ram.rely(prefill, restore, now):
+            return True
+        if probe and backend.ram.probe(prefill, now):
+            log.info("ram_probe url=%s blocks=%d tokens=%d: left to llama-server's RAM prompt cache rather than "
+                     "restored, to learn whether it serves (%d probes)", backend.url, blocks, tokens,
+                     backend.ram.probes)
+            return True
+        return False
 
     def session_homes(self, want: Content | None) -> frozenset[int]:
         """The backends whose slot-save folder has the session's file (where it was saved, or a folder shared with
@@ -388,6 +398,8 @@ class SlotFiller:
                 return
             slot, restoring = choice.slot, choice.restore is not None
             held = slot.content
+            if restoring and held is not None and self.ram_keeps(backend, slot, held):
+                held = slot.content = replace(held, keep=True)   # the restore would lose it: saved first
             if held is not None and self.saver.unsaved(held) and (
                     restoring or common_prefix(held.chain, prompt.exact) < len(held.chain)):
                 await self.saver.save_held(backend, slot, held, record)
@@ -400,6 +412,22 @@ class SlotFiller:
             self.release_choice(choice)
             # after the restore's I/O: the meta entry of what the slot held (`saved_held`, spawned) is in the index
             self.pool.handed_over(choice.slot)
+
+    @staticmethod
+    def in_ram(backend: Backend, slot: Slot) -> bool:
+        """Whether the server has likely copied what the idle `slot` holds to its RAM prompt cache already: with
+        `--cache-idle-slots` (on with the RAM cache, by default) it copies every idle slot there whenever a request
+        starts, so a request sent to it after this slot's last one ended did. A restore replaces a slot's cache
+        without copying it; only then is that cache lost to the RAM."""
+        return backend.launched_at > slot.last_used > 0.0
+
+    def ram_keeps(self, backend: Backend, slot: Slot, held: Content) -> bool:
+        """What the slot holds was left unsaved because the server's RAM prompt cache serves the returns (not worth
+        a file while it does), and is not in that RAM yet (`in_ram`): a restore would replace it without the server
+        copying it there, so it is saved first."""
+        if held.saved or held.keep or not held.tokens or not backend.ram.served or self.in_ram(backend, slot):
+            return False
+        return held.session is not None or held.prompt is not None   # a prefix cache's meta file needs its prompt
 
     async def restore(self, choice: Choice, backend: Backend, prompt: Prompt, record: RequestRecord) -> None:
         """Load the chosen saved cache into the slot. A file that is gone is not asked for; a restore that fails
@@ -418,7 +446,7 @@ class SlotFiller:
                 await self.index.discard_if_stale(entry.key)
             return
         previous = slot.content
-        if previous is not None:
+        if previous is not None and not self.in_ram(backend, slot):
             self.server_caches.gone(backend.index, previous.chain)   # a restore does not copy the slot to RAM
         model = RouterModels.slot_model(backend, prompt.model)
         result = await swap.restore_file(backend.client, slot.id, entry.key, model)
@@ -460,24 +488,39 @@ class SlotFiller:
             speeds = self.speeds.of(backend.index, RouterModels.served(backend, model))
             speeds.restore.add(result.work_ms, record.restored_tokens or 0)
             speeds.learn_wait(result.ms, result.work_ms)
+            backend.ram.restored(speeds.prefill.seconds(record.restored_tokens or 0))
 
     async def swap_session(self, choice: Choice, backend: Backend, prompt: Prompt, want: Content,
                            record: RequestRecord) -> None:
         slot = choice.slot
         info = self.sessions.get(want.key)
         restore = True
-        if info is not None and info.saved_chain and (slot.content is None or slot.content.key != want.key):
+        if info is not None and (slot.content is None or slot.content.key != want.key):
             speeds = self.speeds.of(backend.index, RouterModels.served(backend, prompt.model))
-            gained = common_prefix(info.saved_chain, prompt.exact)
-            restore = speeds.restore_pays(round(speeds.tokens_of(len(info.saved_chain))), speeds.tokens_of(gained))
-            record.restore_skipped = not restore or None
-            found = self.server_caches.find(prompt.exact) if restore else None
-            if found is not None and found[0] == backend.index and found[1] >= gained and \
-                    self.rely_on_ram(backend, speeds, found[1]):
-                # the server's RAM likely holds the session's prompt: the pinned request finds it there
-                restore = False
+            found = self.server_caches.find(prompt.exact)
+            shares = common_prefix(slot.content.chain, prompt.exact) if slot.content is not None else 0
+            if found is not None and (found[0] != backend.index or found[1] < shares + 2):
+                found = None   # not this server's, or no more than the slot itself holds (a shared system prompt)
+            if info.saved_chain:
+                gained = common_prefix(info.saved_chain, prompt.exact)
+                restore = speeds.restore_pays(round(speeds.tokens_of(len(info.saved_chain))),
+                                              speeds.tokens_of(gained))
+                record.restore_skipped = not restore or None
+                if restore and found is not None and found[1] >= gained and \
+                        self.rely_on_ram(backend, speeds, found[1], probe=slot.content is not None):
+                    # the server's RAM likely holds the session's prompt: the pinned request finds it there
+                    restore = False
+                    record.ram_expected = speeds.tokens_of(found[1])
+                    record.route = "session_server_ram"
+            elif found is not None and slot.content is not None:
+                # no file to restore (none was worth saving): the server's RAM is the only place the prompt can come
+                # from, and what it does is seen for free, misses included (`RamWatch.miss_rate` says what a file
+                # would spare)
                 record.ram_expected = speeds.tokens_of(found[1])
-                record.route = "session_server_ram"
+        held = slot.content
+        if restore and info is not None and info.saved_chain and held is not None and held.key != want.key and \
+                self.ram_keeps(backend, slot, held):
+            slot.content = replace(held, keep=True)   # the restore would lose it: saved first
         if not self.pool.ours(slot):
             slot.content = None
             return
@@ -495,12 +538,15 @@ class SlotFiller:
                     # the session's last turn is in a slot just handed to another request, which saves it first
                     await other.filling.wait()
 
+        previous, idle_copied = slot.content, self.in_ram(backend, slot)
         result = await swap.bring_in(backend.client, slot.id, slot.content, want, self.saver.folders[backend.index],
                                      RouterModels.slot_model(backend, prompt.model), restore=restore, owned=True,
                                      held_saved=held_saved)
         slot.content = result.held
         restored = result.restored
         if restored is not None:
+            if previous is not None and not idle_copied:
+                self.server_caches.gone(backend.index, previous.chain)   # a restore does not copy the slot to RAM
             self.note_restore(backend, prompt.model, restored, record)
             record.restore_exact = True
             if info is not None and info.saved_chain and prompt.exact:
@@ -558,6 +604,8 @@ class SlotFiller:
                          "slot held; what it likely holds is left to it rather than restored from disk while it "
                          "does", backend.url, record.cache_n)
             backend.ram.seen(hit, now)
+            log.debug("ram_outcome slot=%s hit=%s cache_n=%s expected=%.0f slot_shared=%s", choice.slot.name,
+                      str(hit).lower(), record.cache_n, record.ram_expected, shared)
         elif served:
             backend.ram.seen(True, now)
         if record.cache_hit and choice.resident:

@@ -9,7 +9,10 @@ server's batch under way):
     worth saving  when  need x ((prefill - restore) x T - wait)  >  MARGIN x save x T
 
 `need` is the share of prompts a later request continued while no slot and no RAM cache held them any more: learnt
-from the requests themselves (`ReturnWatch`), saved or not, so it does not depend on what was saved. MARGIN (2) keeps
+from the requests themselves (`ReturnWatch`), saved or not, so it does not depend on what was saved; times the share
+of the prompts left to the server's RAM prompt cache that it missed lately (`server_cache.RamWatch`, 1 while unknown:
+a return restored from a file says nothing about whether the RAM would have served it, so the RAM is tried now and
+then, `RamWatch.probe`). MARGIN (2) keeps
 the costs a per-token rate leaves out on the side of not saving: a save stalls the whole server while it writes (every
 slot's request waits), the files take disk space, a request may come back before its file is needed. The wait is the
 restore's, a fixed cost the returning request pays: a cache whose prefill is shorter than it is not worth a file. A
@@ -149,9 +152,10 @@ class Worth:
         self._told: set[str] = set()
 
     def decide(self, speeds: Speeds, tokens: int | None, prefill_ms: float | None,
-               prompt_n: int | None) -> tuple[bool, str]:
+               prompt_n: int | None, ram_miss: float = 1.0) -> tuple[bool, str]:
         """Whether a cache of `tokens` tokens (prompt and answer) is worth saving at these speeds, and why (one of
-        DECISIONS)."""
+        DECISIONS). `ram_miss`: the share of prompts left to the server's RAM prompt cache that it missed lately
+        (`server_cache.RamWatch.miss_rate`, 1 when unknown): a return the RAM serves needs no file."""
         if not tokens:
             return self._count(False, "no_speed")
         p = speeds.prefill.ms_per_token
@@ -167,7 +171,7 @@ class Worth:
         if r is None:
             r = s   # reading a file back costs about what writing it did
         wait = speeds.wait_ms or 0.0   # the restore's /slots call waits for the server's batch under way
-        worth = self.watch.rate() * ((p - r) * tokens - wait) > MARGIN * s * tokens
+        worth = self.watch.rate() * ram_miss * ((p - r) * tokens - wait) > MARGIN * s * tokens
         return self._count(worth, "worth" if worth else "not_worth")
 
     @staticmethod
@@ -183,9 +187,9 @@ class Worth:
         self.decisions[why] += 1
         return worth, why
 
-    def describe(self, speeds: Speeds) -> str:
+    def describe(self, speeds: Speeds, ram_miss: float = 1.0) -> str:
         """The figures a decision rests on, for a log line."""
-        parts = [f"need_rate={self.watch.rate():.3f}"]
+        parts = [f"need_rate={self.watch.rate():.3f}", f"ram_miss={ram_miss:.3f}"]
         parts += [f"{k}={v:.4f}" for k, v in speeds.describe().items() if v is not None]
         return " ".join(parts)
 

@@ -22,14 +22,14 @@ pytestmark = pytest.mark.e2e
 CONVERSATIONS, TURNS = 4, 3
 
 
-def play(url: str, session_ids: bool = False) -> list[dict[str, Any]]:
+def play(url: str, session_ids: bool = False, turns: int = TURNS) -> list[dict[str, Any]]:
     """Conversations taking turns, user turns of 20-60 words of real-looking text (prose, code, lists, Unicode),
     answers of at most 16 tokens fed back; returns each request's timings, conversation and turn."""
     rng = random.Random(21)
     history: list[list[dict[str, Any]]] = [[] for _ in range(CONVERSATIONS)]
     out = []
     with httpx.Client(timeout=600) as client:
-        for turn in range(TURNS):
+        for turn in range(turns):
             for c in range(CONVERSATIONS):
                 history[c].append({"role": "user", "content": chats.text(rng, rng.randint(20, 60))})
                 r = client.post(f"{url}/v1/chat/completions",
@@ -126,5 +126,38 @@ def test_behind_the_default_ram_cache_every_return_finds_its_history_in_ram_or_a
     assert len(left_to_ram) + len(restored) >= len(later) - 1, (len(left_to_ram), len(restored))
     if not auto:
         assert not restored and len(left_to_ram) >= len(later) - 1 and served and all(outcomes), outcomes
+    for r in later:
+        assert r["cache_n"] >= previous[(r["conversation"], r["turn"] - 1)], r   # the RAM (or a file) had it all
+
+
+def test_sessions_behind_the_default_ram_cache_find_that_it_serves_without_losing_a_turn(
+        tmp_path: Any) -> None:
+    """With session ids every return has its session's file, whose restore beats a RAM never seen on this CPU: the RAM
+    is probed (`RamWatch.probe`) and, since it serves every return, relied on: the returns it holds are left to it,
+    and no later turn computes its history again."""
+    slots = str(tmp_path / "slots")
+    with LlamaServer(slots, n_slots=2, cache_ram=None, ctx=8192) as server:
+        proxy = Proxy(Settings(backends=(BackendConfig(server.url, None, slots),), meta_dir=str(tmp_path / "meta"),
+                               host="127.0.0.1", big_threshold_words=None, meta_max=0))
+        try:
+            rows = play(proxy.url, session_ids=True, turns=12)
+            proxy.settle()
+            ram = proxy.pipeline.backends[0].ram
+            probes, outcomes = ram.probes, [hit for _, hit in ram.outcomes]
+            left_to_ram = [r for r in proxy.records if r.ram_expected]
+            not_worth = metric(proxy, 'lpcache_save_decisions_total{decision="not_worth"}')
+        finally:
+            proxy.stop()
+    later = [r for r in rows if r["turn"] > 0]
+    previous = {(r["conversation"], r["turn"]): r["prompt_tokens"] for r in rows}
+    restored = [r for r in later if r["restored"] == "true"]
+    figures(f"default --cache-ram, auto, sessions: {probes} probes, RAM outcomes {outcomes.count(True)} hits "
+            f"{outcomes.count(False)} misses; {len(left_to_ram)} of {len(later)} later turns left to the RAM, "
+            f"{len(restored)} restored; {not_worth:.0f} caches not saved; computed {sum(r['prompt_n'] for r in rows)} "
+            f"of {sum(r['prompt_tokens'] for r in rows)} prompt tokens")
+    # the first probe waits until the files have spared PROBE_PAYBACK times its prefill; from then on, while the RAM
+    # serves, every return it likely holds is left to it
+    assert probes >= 1 and outcomes and all(outcomes), outcomes
+    assert len(left_to_ram) >= probes
     for r in later:
         assert r["cache_n"] >= previous[(r["conversation"], r["turn"] - 1)], r   # the RAM (or a file) had it all

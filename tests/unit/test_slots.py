@@ -10,7 +10,7 @@ import pytest
 from lpcache.errors import ProxyError, SlotsBusy
 from lpcache.index import Candidate, MetaEntry
 from lpcache.prefix import Prompt
-from lpcache.server_cache import RAM_RETRY_SECONDS, RamWatch
+from lpcache.server_cache import PROBE_MAX_SECONDS, PROBE_PAYBACK, RAM_RETRY_SECONDS, RAM_TRUST, RamWatch
 from lpcache.slots import Choice, Content, Slot, SlotPool, WaitPlan, Want, choose, wait_plan
 
 A, B = "http://a:8000", "http://b:8000"
@@ -754,3 +754,39 @@ def test_a_server_without_a_ram_cache_is_left_to_only_where_a_miss_costs_about_a
     assert not ram.rely(2.0, 1.5, now=10.0)        # 6/7 of 2 s > 1.5 s
     assert ram.rely(2.0, 1.9, now=10.0)            # (the restore would not pay either)
     assert ram.rely(2.0, 1.5, now=10.0 + RAM_RETRY_SECONDS)   # the misses are forgotten: tried again
+
+
+def test_a_ram_never_seen_is_probed_once_the_files_spared_enough_and_on_every_prompt_while_it_serves() -> None:
+    ram = RamWatch()
+    assert not ram.probe(2.0, now=1.0)              # nothing spared yet: a miss would cost more than the files gave
+    ram.restored(PROBE_PAYBACK * 2.0 - 0.5)
+    assert not ram.probe(2.0, now=2.0)
+    ram.restored(0.5)                               # the restores have spared PROBE_PAYBACK x 2 s of prefill
+    assert not ram.probe(PROBE_MAX_SECONDS + 1.0, now=3.0)   # a miss would cost too much prefill: never
+    assert ram.probe(2.0, now=4.0) and not ram.probe(2.0, now=5.0)   # tried, and paid for again from zero
+    ram.seen(True, now=11.0)                        # the probe's prompt came from the RAM
+    assert ram.probe(2.0, now=12.0) and ram.probe(2.0, now=13.0) and ram.probes == 3
+    assert ram.miss_rate(now=13.0) == 1.0           # too few outcomes to spare a file yet
+    for t in range(14, 14 + RAM_TRUST):
+        ram.seen(True, now=float(t))
+    assert ram.miss_rate(now=30.0) == 0.0           # it served every prompt left to it: no file is needed
+    ram.seen(False, now=31.0)
+    assert ram.miss_rate(now=32.0) == pytest.approx(1 / (RAM_TRUST + 2))
+    ram.restored(1000.0)
+    assert not any(ram.probe(2.0, now=float(t)) for t in range(32, 100))   # after a miss: no probe ...
+    assert ram.probe(2.0, now=31.0 + RAM_RETRY_SECONDS + 1.0)     # ... until it is forgotten (a restart, a refill)
+
+
+def test_a_server_without_a_ram_cache_loses_at_most_a_twentieth_of_what_the_files_spare() -> None:
+    ram = RamWatch()
+    probes, spared, lost = [], 0.0, 0.0
+    for t in range(1, 2 * int(RAM_RETRY_SECONDS)):   # a return every second for 20 minutes, each 1 s of prefill
+        if ram.probe(1.0, now=float(t)):
+            probes.append(t)
+            lost += 1.0
+            ram.seen(False, now=float(t))         # --cache-ram 0: the probe's prompt was computed
+        else:
+            ram.restored(1.0)                     # restored from its file instead
+            spared += 1.0
+    assert len(probes) == 2 and probes[1] - probes[0] > RAM_RETRY_SECONDS
+    assert lost <= spared / PROBE_PAYBACK and ram.miss_rate(now=float(probes[-1])) == 1.0

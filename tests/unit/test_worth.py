@@ -88,6 +88,14 @@ def test_on_a_cpu_a_short_turn_is_worth_a_file_and_on_a_gpu_nothing_is() -> None
     assert worth.decisions["worth"] == 1 and worth.decisions["not_worth"] == 1
 
 
+def test_where_the_server_s_ram_serves_every_return_nothing_is_saved_and_its_misses_bring_saves_back() -> None:
+    cpu = speeds(prefill=4.0, save=0.02, restore=0.015)
+    worth = Worth(auto=True, threshold=None, meta_max=0)
+    assert worth.decide(cpu, 500, None, None, ram_miss=1.0) == (True, "worth")    # the RAM not known: every return
+    assert worth.decide(cpu, 500, None, None, ram_miss=0.0) == (False, "not_worth")   # it served all: none needed
+    assert worth.decide(cpu, 500, None, None, ram_miss=0.25)[0]                     # it misses a quarter: a file pays
+
+
 def test_the_need_rate_decides_where_the_prefill_is_only_a_few_times_the_disk() -> None:
     middle = speeds(prefill=1.0, save=0.1, restore=0.1)
     worth = Worth(auto=True, threshold=None, meta_max=0)
