@@ -327,14 +327,14 @@ class SlotFiller:
     def warm(self, prompt: Prompt) -> tuple[int, int, bool] | None:
         """The server whose RAM prompt cache likely holds the longest prefix of the prompt (`server_cache`), how
         much of it, and whether its RAM is relied on over a disk restore (`RamWatch.rely`: its recent misses,
-        weighed by the prefill a miss costs, against a restore's time; or probed: `slots.choose` leaves the prompt to
-        the RAM only in a slot that holds something, where the server looks there)."""
+        weighed by the prefill a miss costs, against a restore's time). Not probed here: this is asked on every
+        choice, also where nothing is left to the RAM, and a probe is paid for once (`RamWatch.probe`)."""
         found = self.server_caches.find(prompt.exact)
         if found is None:
             return None
         backend = self.backends[found[0]]
         speeds = self.speeds.of(backend.index, RouterModels.served(backend, prompt.model))
-        return found[0], found[1], self.rely_on_ram(backend, speeds, found[1], probe=True)
+        return found[0], found[1], self.rely_on_ram(backend, speeds, found[1])
 
     def rely_on_ram(self, backend: Backend, speeds: Speeds, blocks: int, probe: bool = False) -> bool:
         """Whether to leave `blocks` of a prompt to the server's RAM prompt cache rather than restore them from a
@@ -418,8 +418,10 @@ class SlotFiller:
         """Whether the server has likely copied what the idle `slot` holds to its RAM prompt cache already: with
         `--cache-idle-slots` (on with the RAM cache, by default) it copies every idle slot there whenever a request
         starts, so a request sent to it after this slot's last one ended did. A restore replaces a slot's cache
-        without copying it; only then is that cache lost to the RAM."""
-        return backend.launched_at > slot.last_used > 0.0
+        without copying it; only then is that cache lost to the RAM. Not for a server whose RAM has missed every
+        prompt left to it lately (one started with `--cache-ram 0` copies nothing)."""
+        recent = backend.ram.recent(time.monotonic())
+        return (not recent or any(recent)) and backend.launched_at > slot.last_used > 0.0
 
     def ram_keeps(self, backend: Backend, slot: Slot, held: Content) -> bool:
         """What the slot holds was left unsaved because the server's RAM prompt cache serves the returns (not worth
@@ -506,8 +508,8 @@ class SlotFiller:
                 restore = speeds.restore_pays(round(speeds.tokens_of(len(info.saved_chain))),
                                               speeds.tokens_of(gained))
                 record.restore_skipped = not restore or None
-                if restore and found is not None and found[1] >= gained and \
-                        self.rely_on_ram(backend, speeds, found[1], probe=slot.content is not None):
+                if restore and found is not None and found[1] >= gained and slot.content is not None and \
+                        self.rely_on_ram(backend, speeds, found[1], probe=True):
                     # the server's RAM likely holds the session's prompt: the pinned request finds it there
                     restore = False
                     record.ram_expected = speeds.tokens_of(found[1])
