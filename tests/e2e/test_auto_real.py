@@ -6,6 +6,8 @@ needs is saved, and each later turn computes little more than its own new messag
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -44,6 +46,19 @@ def play(url: str, session_ids: bool = False, turns: int = TURNS) -> list[dict[s
     return out
 
 
+@contextmanager
+def behind_lpcache(tmp_path: Any, cache_ram: int | None, **settings: Any) -> Iterator[Proxy]:
+    """lpcache with `settings` in front of a real llama-server (-np 2, `cache_ram`: 0 off, None its default)."""
+    slots = str(tmp_path / "slots")
+    with LlamaServer(slots, n_slots=2, cache_ram=cache_ram, ctx=8192) as server:
+        proxy = Proxy(Settings(backends=(BackendConfig(server.url, None, slots),), meta_dir=str(tmp_path / "meta"),
+                               host="127.0.0.1", **settings))
+        try:
+            yield proxy
+        finally:
+            proxy.stop()
+
+
 def metric(proxy: Proxy, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in proxy.client.get("/metrics").text.splitlines()
                if line.startswith(name))
@@ -52,17 +67,11 @@ def metric(proxy: Proxy, name: str) -> float:
 @pytest.mark.parametrize("session_ids", [False, True], ids=["prefix", "sessions"])
 def test_auto_saves_short_turns_on_a_cpu_and_later_turns_compute_only_their_new_message(
         tmp_path: Any, session_ids: bool) -> None:
-    slots = str(tmp_path / "slots")
-    with LlamaServer(slots, n_slots=2, cache_ram=0, ctx=8192) as server:
-        proxy = Proxy(Settings(backends=(BackendConfig(server.url, None, slots),), meta_dir=str(tmp_path / "meta"),
-                               host="127.0.0.1", big_threshold_words=None, meta_max=0))
-        try:
-            rows = play(proxy.url, session_ids)
-            proxy.settle()
-            worth = metric(proxy, 'lpcache_save_decisions_total{decision="worth"}')
-            probes = metric(proxy, 'lpcache_save_decisions_total{decision="probe"}')
-        finally:
-            proxy.stop()
+    with behind_lpcache(tmp_path, 0, big_threshold_words=None, meta_max=0) as proxy:
+        rows = play(proxy.url, session_ids)
+        proxy.settle()
+        worth = metric(proxy, 'lpcache_save_decisions_total{decision="worth"}')
+        probes = metric(proxy, 'lpcache_save_decisions_total{decision="probe"}')
     later = [r for r in rows if r["turn"] > 0]
     restored = [r for r in later if r["restored"] == "true"]
     # The turns before a later one: its conversation's previous prompt and answer, which the restore brought back.
@@ -77,19 +86,13 @@ def test_auto_saves_short_turns_on_a_cpu_and_later_turns_compute_only_their_new_
 
 
 def test_the_default_threshold_saves_none_of_them_and_says_what_it_costs(tmp_path: Any, caplog) -> None:
-    slots = str(tmp_path / "slots")
-    with LlamaServer(slots, n_slots=2, cache_ram=0, ctx=8192) as server:
-        proxy = Proxy(Settings(backends=(BackendConfig(server.url, None, slots),), meta_dir=str(tmp_path / "meta"),
-                               host="127.0.0.1"))
-        try:
-            with caplog.at_level("WARNING", logger="lpcache.worth"):
-                rows = play(proxy.url)
-                proxy.settle()
-            missed = metric(proxy, 'lpcache_prefill_missed_tokens_total{kind="threshold"}')
-            seconds = metric(proxy, 'lpcache_prefill_missed_seconds_total{kind="threshold"}')
-            saves = metric(proxy, 'lpcache_saves_total{result="ok"}')
-        finally:
-            proxy.stop()
+    with behind_lpcache(tmp_path, 0) as proxy:
+        with caplog.at_level("WARNING", logger="lpcache.worth"):
+            rows = play(proxy.url)
+            proxy.settle()
+        missed = metric(proxy, 'lpcache_prefill_missed_tokens_total{kind="threshold"}')
+        seconds = metric(proxy, 'lpcache_prefill_missed_seconds_total{kind="threshold"}')
+        saves = metric(proxy, 'lpcache_saves_total{result="ok"}')
     computed_again = sum(r["prompt_n"] for r in rows if r["turn"] > 0)
     figures(f"defaults: 0 saves; {missed:.0f} tokens ({seconds:.1f} s of prefill) computed again that a file would "
             f"have spared, of {computed_again} computed by later turns")
@@ -105,18 +108,12 @@ def test_behind_the_default_ram_cache_every_return_finds_its_history_in_ram_or_a
     """llama-server's default --cache-ram holds these conversations. A return with no file worth restoring goes to
     a slot of the server that held it, whose RAM serves it, and lpcache takes that for a RAM hit (not a miss of the
     slot's); with auto, whose files are restored, every later turn still finds its whole history."""
-    slots = str(tmp_path / "slots")
-    with LlamaServer(slots, n_slots=2, cache_ram=None, ctx=8192) as server:
-        proxy = Proxy(Settings(backends=(BackendConfig(server.url, None, slots),), meta_dir=str(tmp_path / "meta"),
-                               host="127.0.0.1", big_threshold_words=None if auto else 500, meta_max=0))
-        try:
-            rows = play(proxy.url)
-            proxy.settle()
-            left_to_ram = [r for r in proxy.records if r.ram_expected]
-            ram = proxy.pipeline.backends[0].ram
-            served, outcomes = ram.served, [hit for _, hit in ram.outcomes]
-        finally:
-            proxy.stop()
+    with behind_lpcache(tmp_path, None, big_threshold_words=None if auto else 500, meta_max=0) as proxy:
+        rows = play(proxy.url)
+        proxy.settle()
+        left_to_ram = [r for r in proxy.records if r.ram_expected]
+        ram = proxy.pipeline.backends[0].ram
+        served, outcomes = ram.served, [hit for _, hit in ram.outcomes]
     later = [r for r in rows if r["turn"] > 0]
     previous = {(r["conversation"], r["turn"]): r["prompt_tokens"] for r in rows}
     restored = [r for r in later if r["restored"] == "true"]
@@ -135,19 +132,13 @@ def test_sessions_behind_the_default_ram_cache_find_that_it_serves_without_losin
     """With session ids every return has its session's file, whose restore beats a RAM never seen on this CPU: the RAM
     is probed (`RamWatch.probe`) and, since it serves every return, relied on: the returns it holds are left to it,
     and no later turn computes its history again."""
-    slots = str(tmp_path / "slots")
-    with LlamaServer(slots, n_slots=2, cache_ram=None, ctx=8192) as server:
-        proxy = Proxy(Settings(backends=(BackendConfig(server.url, None, slots),), meta_dir=str(tmp_path / "meta"),
-                               host="127.0.0.1", big_threshold_words=None, meta_max=0))
-        try:
-            rows = play(proxy.url, session_ids=True, turns=12)
-            proxy.settle()
-            ram = proxy.pipeline.backends[0].ram
-            probes, outcomes = ram.probes, [hit for _, hit in ram.outcomes]
-            left_to_ram = [r for r in proxy.records if r.ram_expected]
-            not_worth = metric(proxy, 'lpcache_save_decisions_total{decision="not_worth"}')
-        finally:
-            proxy.stop()
+    with behind_lpcache(tmp_path, None, big_threshold_words=None, meta_max=0) as proxy:
+        rows = play(proxy.url, session_ids=True, turns=12)
+        proxy.settle()
+        ram = proxy.pipeline.backends[0].ram
+        probes, outcomes = ram.probes, [hit for _, hit in ram.outcomes]
+        left_to_ram = [r for r in proxy.records if r.ram_expected]
+        not_worth = metric(proxy, 'lpcache_save_decisions_total{decision="not_worth"}')
     later = [r for r in rows if r["turn"] > 0]
     previous = {(r["conversation"], r["turn"]): r["prompt_tokens"] for r in rows}
     restored = [r for r in later if r["restored"] == "true"]
