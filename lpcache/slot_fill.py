@@ -423,6 +423,12 @@ class SlotFiller:
         recent = backend.ram.recent(time.monotonic())
         return (not recent or any(recent)) and backend.launched_at > slot.last_used > 0.0
 
+    def restored_over(self, backend: Backend, previous: Content | None, idle_copied: bool) -> None:
+        """A restore replaced `previous` in a slot without the server copying it to its RAM: unless the server had
+        copied it there as an idle slot already (`in_ram`, read before the restore), it is no longer there."""
+        if previous is not None and not idle_copied:
+            self.server_caches.gone(backend.index, previous.chain)
+
     def ram_keeps(self, backend: Backend, slot: Slot, held: Content) -> bool:
         """What the slot holds was left unsaved because the server's RAM prompt cache serves the returns (not worth
         a file while it does), and is not in that RAM yet (`in_ram`): a restore would replace it without the server
@@ -448,8 +454,7 @@ class SlotFiller:
                 await self.index.discard_if_stale(entry.key)
             return
         previous = slot.content
-        if previous is not None and not self.in_ram(backend, slot):
-            self.server_caches.gone(backend.index, previous.chain)   # a restore does not copy the slot to RAM
+        self.restored_over(backend, previous, self.in_ram(backend, slot))
         model = RouterModels.slot_model(backend, prompt.model)
         result = await swap.restore_file(backend.client, slot.id, entry.key, model)
         self.note_restore(backend, prompt.model, result, record)
@@ -547,8 +552,7 @@ class SlotFiller:
         slot.content = result.held
         restored = result.restored
         if restored is not None:
-            if previous is not None and not idle_copied:
-                self.server_caches.gone(backend.index, previous.chain)   # a restore does not copy the slot to RAM
+            self.restored_over(backend, previous, idle_copied)
             self.note_restore(backend, prompt.model, restored, record)
             record.restore_exact = True
             if info is not None and info.saved_chain and prompt.exact:
