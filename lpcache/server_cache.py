@@ -24,7 +24,6 @@ RAM_MISS_PRIOR = (1, 1)      # Beta prior of a server's RAM miss rate: (misses, 
 PROBE_PAYBACK = 20.0         # a RAM not seen lately is tried once restores spared 20 times the prefill a miss costs
                              # (then on every prompt while it serves them; after a miss, once the miss is forgotten)
 RAM_TRUST = 8                # outcomes seen before the RAM's miss rate is trusted over "every return needs a file"
-PROBE_MAX_SECONDS = 5.0      # only with a prompt whose prefill, should the RAM miss it, costs at most this
 
 
 class ServerCaches:
@@ -107,8 +106,9 @@ class RamWatch:
         tried once the files' restores have spared PROBE_PAYBACK times that prefill since the last probe (so on a
         server started with `--cache-ram 0` the misses cost at most a twentieth of what the files spare, and only
         one every RAM_RETRY_SECONDS), then on every prompt while it serves them, and after a miss not until that
-        miss is forgotten; never for a prompt whose prefill exceeds PROBE_MAX_SECONDS."""
-        if prefill_s is None or prefill_s > PROBE_MAX_SECONDS:
+        miss is forgotten. No cap in seconds: a probe's miss is what the server alone computes for that prompt, and
+        on a slow CPU every return of a chat may take seconds to compute (a fixed cap there meant never probing)."""
+        if prefill_s is None:
             return False
         recent = self.recent(now)
         if not all(recent):

@@ -336,18 +336,27 @@ class SlotFiller:
         speeds = self.speeds.of(backend.index, RouterModels.served(backend, prompt.model))
         return found[0], found[1], self.rely_on_ram(backend, speeds, found[1])
 
-    def rely_on_ram(self, backend: Backend, speeds: Speeds, blocks: int, probe: bool = False) -> bool:
+    def rely_on_ram(self, backend: Backend, speeds: Speeds, blocks: int, probe: bool = False,
+                    file_blocks: int | None = None) -> bool:
         """Whether to leave `blocks` of a prompt to the server's RAM prompt cache rather than restore them from a
         file (`server_cache.RamWatch`); with `probe`, also to find out whether that RAM serves (`RamWatch.probe`:
-        the caller is about to restore, and its slot holds something, so the server will look in its RAM)."""
+        the caller is about to restore, and its slot holds something, so the server will look in its RAM).
+        `file_blocks`: the file holds only that much of them (an older turn of a session whose last one was left
+        to the RAM): the restore's side also prefills the rest."""
         tokens = speeds.tokens_of(blocks)
         prefill = speeds.prefill.seconds(tokens)
-        restore = speeds.restore.seconds(tokens)
-        if restore is not None:
-            restore += (speeds.wait_ms or 0.0) / 1000.0
+        held = tokens if file_blocks is None else speeds.tokens_of(min(file_blocks, blocks))
+        rest = speeds.prefill.seconds(tokens - held) if held < tokens else 0.0
+        restore = speeds.restore.seconds(held)
+        if restore is not None and rest is not None:
+            restore += (speeds.wait_ms or 0.0) / 1000.0 + rest
+        elif restore is not None:
+            restore = None
         now = time.monotonic()
         if backend.ram.rely(prefill, restore, now):
             return True
+        if restore is None and rest and backend.ram.rely(prefill, rest, now):
+            return True   # no restore measured yet, but the prefill of what the file lacks alone costs more
         if probe and backend.ram.probe(prefill, now):
             log.info("ram_probe url=%s blocks=%d tokens=%d: left to llama-server's RAM prompt cache rather than "
                      "restored, to learn whether it serves (%d probes)", backend.url, blocks, tokens,
@@ -514,7 +523,7 @@ class SlotFiller:
                                               speeds.tokens_of(gained))
                 record.restore_skipped = not restore or None
                 if restore and found is not None and found[1] >= gained and slot.content is not None and \
-                        self.rely_on_ram(backend, speeds, found[1], probe=True):
+                        self.rely_on_ram(backend, speeds, found[1], probe=True, file_blocks=gained):
                     # the server's RAM likely holds the session's prompt: the pinned request finds it there
                     restore = False
                     record.ram_expected = speeds.tokens_of(found[1])

@@ -6,7 +6,8 @@ needs is saved, and each later turn computes little more than its own new messag
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -15,6 +16,7 @@ import pytest
 
 from lpcache import chats
 from lpcache.config import BackendConfig, Settings
+from lpcache.server_cache import RAM_TRUST
 from lpcache.testing import LlamaServer
 
 from ..conftest import Proxy, figures
@@ -24,14 +26,18 @@ pytestmark = pytest.mark.e2e
 CONVERSATIONS, TURNS = 4, 3
 
 
-def play(url: str, session_ids: bool = False, turns: int = TURNS) -> list[dict[str, Any]]:
+def play(url: str, session_ids: bool = False, turns: int = TURNS,
+         before_turn: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
     """Conversations taking turns, user turns of 20-60 words of real-looking text (prose, code, lists, Unicode),
-    answers of at most 16 tokens fed back; returns each request's timings, conversation and turn."""
+    answers of at most 16 tokens fed back; returns each request's timings, conversation and turn. `before_turn(n)`
+    is called before each round of turns."""
     rng = random.Random(21)
     history: list[list[dict[str, Any]]] = [[] for _ in range(CONVERSATIONS)]
     out = []
     with httpx.Client(timeout=600) as client:
         for turn in range(turns):
+            if before_turn is not None:
+                before_turn(turn)
             for c in range(CONVERSATIONS):
                 history[c].append({"role": "user", "content": chats.text(rng, rng.randint(20, 60))})
                 r = client.post(f"{url}/v1/chat/completions",
@@ -152,3 +158,46 @@ def test_sessions_behind_the_default_ram_cache_find_that_it_serves_without_losin
     assert len(left_to_ram) >= probes
     for r in later:
         assert r["cache_n"] >= previous[(r["conversation"], r["turn"] - 1)], r   # the RAM (or a file) had it all
+
+
+MISS_AT = 5   # the round of turns before which one RAM miss is recorded
+
+
+def test_after_a_ram_miss_a_session_s_older_file_is_not_restored_over_the_turn_its_ram_holds(tmp_path: Any) -> None:
+    """Once the RAM is relied on, a session's turns are not saved (the RAM serves the returns); then one miss (any
+    prompt the RAM did not hold) stops the probes for a while, and each return is weighed: the RAM's expected cost
+    against the restore of the session's file, which holds only an older turn, plus the prefill of what it lacks.
+    The RAM, which holds the last turn, is left to serve it: no later turn computes its history again. (The RAM is
+    taken as seen serving RAM_TRUST prompts from turn 1, as it would be after enough probes; this small model's
+    conversations all fit in it.)"""
+    with behind_lpcache(tmp_path, None, big_threshold_words=None, meta_max=0) as proxy:
+        ram = proxy.pipeline.backends[0].ram
+
+        def seen(hits: list[bool]) -> None:
+            proxy.settle()
+
+            async def record() -> None:
+                for hit in hits:
+                    ram.seen(hit, time.monotonic())
+            proxy.run(record())
+
+        def before_turn(turn: int) -> None:
+            if turn == 1:
+                seen([True] * RAM_TRUST)
+            if turn == MISS_AT:
+                seen([False])
+
+        rows = play(proxy.url, session_ids=True, turns=MISS_AT + 4, before_turn=before_turn)
+        proxy.settle()
+        outcomes = [hit for _, hit in ram.outcomes]
+        left_to_ram = [r for r in proxy.records if r.ram_expected]
+    previous = {(r["conversation"], r["turn"]): r["prompt_tokens"] for r in rows}
+    after = [r for r in rows if r["turn"] >= MISS_AT]
+    computed = sum(r["prompt_n"] for r in after)
+    figures(f"default --cache-ram, RAM relied on from turn 1, one miss recorded at turn {MISS_AT}: outcomes "
+            f"{outcomes.count(True)} hits {outcomes.count(False)} misses, {len(left_to_ram)} turns left to the RAM; "
+            f"turns {MISS_AT}+ computed {computed} of {sum(r['prompt_tokens'] for r in after)} prompt tokens, "
+            f"restored {[r['restored'] for r in after]}")
+    for r in after:
+        assert r["cache_n"] >= previous[(r["conversation"], r["turn"] - 1)], r   # the RAM (or a file) had it all
+
