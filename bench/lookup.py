@@ -1,10 +1,11 @@
 """Restore-candidate lookup time (`MetaIndex.find`) with 10, 1,000 and 100,000 meta entries, and the index's memory.
 
 The index is filled in memory (`MetaIndex._insert`, the call `load()` makes for each file), no file is written.
-Entries look like real saves with WORDS_PER_BLOCK=100: 10 to 40 blocks each; every entry starts with one of 5
-shared "system prompts" (2 to 6 blocks); entries come in conversations of 3 that share a few more blocks after the
-system prompt, then diverge. Block hashes are SHA-256 hex digests and chains are computed by `lpcache.prefix.chain`,
-as for real prompts.
+Entries look like real saves with WORDS_PER_BLOCK=100, as lpcache writes them (an exact identity chain and the
+model's fingerprint; here the exact chain is the word chain, which costs the same to look up): 10 to 40 blocks each;
+every entry starts with one of 5 shared "system prompts" (2 to 6 blocks); entries come in conversations of 3 that
+share a few more blocks after the system prompt, then diverge. Block hashes are SHA-256 hex digests and chains are
+computed by `lpcache.prefix.chain`, as for real prompts.
 
 Lookups are timed one by one (`time.perf_counter_ns`) for prompts that
   hit:    extend an entry (its whole chain, then 2 new blocks): the deepest level holds one entry;
@@ -39,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import machine, machine_line, median, percentile, table  # noqa: E402
 
 MODEL = "llama.cpp"
+FINGERPRINT = "fp-smollm2"   # the model identity (`/props`) the entries were saved with
 WPB = 100
 URL = "http://127.0.0.1:8080"
 SAVE_PATH = "/var/lib/llama/slots"
@@ -74,12 +76,13 @@ def build(n: int) -> MetaIndex:
         blocks = entry_blocks(i)
         index._insert(MetaEntry(key=digest(f"key {i}"), model=MODEL, wpb=WPB, chain=chain(blocks),
                                 timestamp=1_700_000_000.0 + i, n_words=len(blocks) * WPB + 37,
-                                backend=URL, slot_save_path=SAVE_PATH))
+                                backend=URL, slot_save_path=SAVE_PATH, exact=chain(blocks), fingerprint=FINGERPRINT))
     return index
 
 
 def prompt_of(blocks: list[str]) -> Prompt:
-    return Prompt(MODEL, digest("|".join(blocks)), len(blocks) * WPB, tuple(blocks), chain(blocks))
+    linked = chain(blocks)
+    return Prompt(MODEL, digest("|".join(blocks)), len(blocks) * WPB, tuple(blocks), linked, exact=linked)
 
 
 def queries(n: int, count: int, seed: int = 2) -> dict[str, list[tuple[Prompt, int]]]:
@@ -104,11 +107,11 @@ def time_finds(index: MetaIndex, cases: dict[str, list[tuple[Prompt, int]]]) -> 
     out = {}
     for case, prompts in cases.items():
         for prompt, _ in prompts[:200]:  # warm-up
-            find(prompt, usable, LCP_TH)
+            find(prompt, (FINGERPRINT,), usable, LCP_TH)
         ns = []
         for prompt, expected in prompts:
             t0 = clock()
-            candidate = find(prompt, usable, LCP_TH)
+            candidate = find(prompt, (FINGERPRINT,), usable, LCP_TH)
             ns.append(clock() - t0)
             shared = candidate.shared if candidate is not None else 0
             if shared != expected:
@@ -168,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         tracemalloc.stop()
         cases = queries(n, args.queries)
         timed = time_finds(index, cases)
-        digests = sum(len(t) for t in index._prefixes.values())
+        digests = sum(len(t) for t in index._exact.values()) + sum(len(t) for t in index._words.values())
         results.append({"entries": n, "chain_digests": digests, "memory_bytes": memory,
                         "bytes_per_entry": memory / n, "build_s_traced": build_s, "find": timed})
         del index, cases
