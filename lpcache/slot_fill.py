@@ -350,8 +350,8 @@ class SlotFiller:
         restore = speeds.restore.seconds(held)
         if restore is not None and rest is not None:
             restore += (speeds.wait_ms or 0.0) / 1000.0 + rest
-        elif restore is not None:
-            restore = None
+        else:
+            restore = None   # one side unknown: nothing to weigh
         now = time.monotonic()
         if backend.ram.rely(prefill, restore, now):
             return True
