@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
+import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import httpx
@@ -113,6 +117,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(
                 reason=f"{', '.join(missing)} not installed (`make browser` installs Debian's chromium and "
                        "chromium-driver, as root)"))
+
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def load_bench(name: str) -> ModuleType:
+    """A script of bench/ as a module (bench/ is not a package), to test its pure parts or run it small."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module   # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
 
 
 def figures(line: str) -> None:

@@ -200,4 +200,3 @@ def test_after_a_ram_miss_a_session_s_older_file_is_not_restored_over_the_turn_i
             f"restored {[r['restored'] for r in after]}")
     for r in after:
         assert r["cache_n"] >= previous[(r["conversation"], r["turn"] - 1)], r   # the RAM (or a file) had it all
-

@@ -4,25 +4,16 @@ chains, the benchmark's prompts and entries (word chains only) found nothing, an
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from ..conftest import load_bench
 
 
-def test_the_lookup_benchmark_finds_every_entry_it_looks_up(capsys: pytest.CaptureFixture[str],
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.syspath_prepend(str(BENCH))
-    spec = importlib.util.spec_from_file_location("bench_lookup", BENCH / "lookup.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
-    assert module.main(["--sizes", "10,300", "--queries", "60", "--json"]) == 0
+def test_the_lookup_benchmark_finds_every_entry_it_looks_up(capsys: pytest.CaptureFixture[str]) -> None:
+    lookup = load_bench("lookup")
+    assert lookup.main(["--sizes", "10,300", "--queries", "60", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert [r["entries"] for r in doc["results"]] == [10, 300]
     assert all(r["chain_digests"] > r["entries"] for r in doc["results"])   # the entries are in the exact index

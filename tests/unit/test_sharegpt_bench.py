@@ -5,32 +5,19 @@ errors. No server."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import io
 import json
 import random
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from ..conftest import load_bench
 
-
-def load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module   # dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)
-    return module
-
-
-sg = load("sharegpt")
-sc = load("sharegpt_scenario")
-ar = load("aiperf_records")
+sg = load_bench("sharegpt")
+sc = load_bench("sharegpt_scenario")
+ar = load_bench("aiperf_records")
 
 
 def item(cid: str, *turns: str, first: str = "human") -> dict[str, Any]:
