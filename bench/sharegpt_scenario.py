@@ -62,6 +62,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -375,6 +376,28 @@ def no_results(work: Path, proc: subprocess.CompletedProcess[bytes]) -> dict[str
     return {"skipped": f"aiperf exited with {proc.returncode} and no results", "aiperf_log": tail}
 
 
+_SLOT_EVENT = re.compile(rb"^\s*(\d+)\.(\d+)\.(\d+)\.(\d+) I slot\s+(release|launch_slot_): id\s+(\d+) ", re.M)
+
+
+def slot_handovers(log: bytes) -> dict[str, Any]:
+    """From llama-server's log (its `mm.ss.mmm.uuu` times): how long each slot stood idle between one request's
+    `release` and the next `launch_slot_` on it. The server alone starts a queued request in the same loop pass
+    (a fraction of a millisecond); behind a proxy the next request arrives afterwards and waits for the other slots'
+    batch under way: where a run's time goes between requests (docs/benchmarks.md)."""
+    released: dict[int, float] = {}
+    gaps: list[float] = []
+    for m in _SLOT_EVENT.finditer(log):
+        minutes, seconds, ms, us = (int(g) for g in m.group(1, 2, 3, 4))
+        at, slot = minutes * 60 + seconds + ms / 1e3 + us / 1e6, int(m.group(6))
+        if m.group(5) == b"release":
+            released[slot] = at
+        elif slot in released:
+            gaps.append(at - released.pop(slot))
+    gaps.sort()
+    return {"handovers": len(gaps), "handover_ms_p50": round(gaps[len(gaps) // 2] * 1000, 1) if gaps else None,
+            "handover_idle_s": round(sum(gaps), 2)}
+
+
 def sent_figures(sent: Sequence[Any], out: Path) -> dict[str, Any]:
     """What aiperf's raw export says of a run's requests: answers fed back, requests in flight, every error."""
     checked, same = fed_back(sent)
@@ -468,6 +491,7 @@ def one_run(setup: Setup, args: argparse.Namespace, prep: Prepared, aiperf: str,
             **sent_figures(sent, out),
             "aiperf_exit": proc.returncode, "wall_s": round(wall, 1),
             "load_1m_before": round(load_before, 2), "load_1m_after": round(load_after, 2),
+            **slot_handovers(server.log_path.read_bytes()),
         }
         if proxy is not None:
             result["lpcache"] = lpcache_figures(proxy.url)
@@ -1100,6 +1124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"{_f(r['ttft_p50_s'])} s p90 {_f(r['ttft_p90_s'])} s (turns 2+ {_f(r['ttft_later_turns_p50_s'])}"
                     f" s), {_f(r['duration_s'], 1)} s; answers fed back {r['answers_fed_back'][0]}/"
                     f"{r['answers_fed_back'][1]}, at most {r['in_flight_max']} requests in flight"
+                    + (f"; slots idle between requests {_f(r['handover_idle_s'])} s in all, median "
+                       f"{_f(r['handover_ms_p50'], 1)} ms" if r.get("handovers") else "")
                     + (f"; lpcache saves {_f(lp(r, 'lpcache_saves_total', {'result': 'ok'}), 0)}, restores "
                        f"{_f(lp(r, 'lpcache_restores_total', {'result': 'ok'}), 0)}" if "lpcache" in r else ""))
                 left = sum(estimates[i + 1:]) * (spent / expected if expected else 1.0)

@@ -469,3 +469,24 @@ def test_the_page_has_the_fast_table_after_the_ram_tables(tmp_path: Path) -> Non
     older = report_with([cpu_run])
     del older["prepare"]["cpu"]
     assert "Fast profile" not in sc.markdown(older, "Machine: test")   # results of before the fast profile
+
+
+def test_slot_handovers_are_read_from_llama_server_s_log() -> None:
+    """Lines as llama-server b11434 writes them (minutes.seconds.ms.us): slot 1 stood idle 52.9 ms between two
+    requests, slot 0 10.7 ms and then 1.2 s across a minute's turn; a launch with no release before it (a slot's
+    first request) and a release with no launch after it (the run's last) are no hand-overs."""
+    log = b"""0.31.100.000 I slot launch_slot_: id  0 | task 400 | processing task, is_child = 0
+0.32.208.966 I slot print_timing: id  1 | task 477 |    graphs reused =        388
+0.32.209.146 I slot      release: id  1 | task 477 | stop processing: n_tokens = 60, truncated = 0
+0.32.262.442 I slot get_availabl: id  1 | task -1 | selected slot by id (1)
+0.32.262.000 I slot launch_slot_: id  1 | task 497 | processing task, is_child = 0
+0.32.766.053 I slot      release: id  0 | task 487 | stop processing: n_tokens = 154, truncated = 0
+0.32.776.753 I slot launch_slot_: id  0 | task 526 | processing task, is_child = 0
+0.59.900.000 I slot      release: id  0 | task 526 | stop processing: n_tokens = 200, truncated = 0
+1.01.100.000 I slot launch_slot_: id  0 | task 600 | processing task, is_child = 0
+1.02.000.000 I slot      release: id  1 | task 497 | stop processing: n_tokens = 208, truncated = 0
+"""
+    figures = sc.slot_handovers(log)
+    assert figures == {"handovers": 3, "handover_ms_p50": 52.9, "handover_idle_s": 1.26}
+    assert sc.slot_handovers(b"no slot lines at all\n") == {"handovers": 0, "handover_ms_p50": None,
+                                                           "handover_idle_s": 0}
