@@ -79,7 +79,7 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import sharegpt  # noqa: E402
-from _common import llama_machine_text, replace_section, stop_run, table  # noqa: E402
+from _common import llama_machine_text, median, replace_section, stop_run, table  # noqa: E402
 from aiperf_records import fed_back, ideal_of_run, in_flight_max, log_problems, read_raw  # noqa: E402
 from aiperf_scenario import (  # noqa: E402
     _f,
@@ -393,8 +393,7 @@ def slot_handovers(log: bytes) -> dict[str, Any]:
             released[slot] = at
         elif slot in released:
             gaps.append(at - released.pop(slot))
-    gaps.sort()
-    return {"handovers": len(gaps), "handover_ms_p50": round(gaps[len(gaps) // 2] * 1000, 1) if gaps else None,
+    return {"handovers": len(gaps), "handover_ms_p50": round(median(gaps) * 1000, 1) if gaps else None,
             "handover_idle_s": round(sum(gaps), 2)}
 
 
