@@ -528,14 +528,24 @@ class SlotFiller:
                     restore = False
                     record.ram_expected = speeds.tokens_of(found[1])
                     record.route = "session_server_ram"
+            elif found is not None and slot.content is not None and info.homes:
+                # its file holds a prompt shorter than one identity block (an opening of a few words: a real chat's
+                # "hi"), so its chain says nothing, and the server held more of the session since (`found`): a turn
+                # the RAM was trusted with and that was not saved. Restoring that file blindly threw the turn away
+                # (539 of 609 tokens computed again on a ShareGPT run); the RAM is weighed against it, the file
+                # taken as sparing nothing
+                if self.rely_on_ram(backend, speeds, found[1], probe=True, file_blocks=0):
+                    restore = False
+                    record.ram_expected = speeds.tokens_of(found[1])
+                    record.route = "session_server_ram"
             elif found is not None and slot.content is not None:
                 # no file to restore (none was worth saving): the server's RAM is the only place the prompt can come
                 # from, and what it does is seen for free, misses included (`RamWatch.miss_rate` says what a file
                 # would spare)
                 record.ram_expected = speeds.tokens_of(found[1])
         held = slot.content
-        if restore and info is not None and info.saved_chain and held is not None and held.key != want.key and \
-                self.ram_keeps(backend, slot, held):
+        if restore and info is not None and (info.saved_chain or info.homes) and held is not None and \
+                held.key != want.key and self.ram_keeps(backend, slot, held):
             slot.content = replace(held, keep=True)   # the restore would lose it: saved first
         if not self.pool.ours(slot):
             slot.content = None

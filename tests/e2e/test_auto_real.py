@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -27,10 +27,11 @@ CONVERSATIONS, TURNS = 4, 3
 
 
 def play(url: str, session_ids: bool = False, turns: int = TURNS,
-         before_turn: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
+         before_turn: Callable[[int], None] | None = None,
+         openings: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """Conversations taking turns, user turns of 20-60 words of real-looking text (prose, code, lists, Unicode),
     answers of at most 16 tokens fed back; returns each request's timings, conversation and turn. `before_turn(n)`
-    is called before each round of turns."""
+    is called before each round of turns; `openings`: each conversation's first message, as given."""
     rng = random.Random(21)
     history: list[list[dict[str, Any]]] = [[] for _ in range(CONVERSATIONS)]
     out = []
@@ -39,7 +40,8 @@ def play(url: str, session_ids: bool = False, turns: int = TURNS,
             if before_turn is not None:
                 before_turn(turn)
             for c in range(CONVERSATIONS):
-                history[c].append({"role": "user", "content": chats.text(rng, rng.randint(20, 60))})
+                said = openings[c] if openings is not None and turn == 0 else chats.text(rng, rng.randint(20, 60))
+                history[c].append({"role": "user", "content": said})
                 r = client.post(f"{url}/v1/chat/completions",
                                 headers={"X-Session-ID": f"conversation-{c}"} if session_ids else None,
                                 json={"model": "smollm2", "messages": history[c], "max_tokens": 16,
@@ -199,4 +201,41 @@ def test_after_a_ram_miss_a_session_s_older_file_is_not_restored_over_the_turn_i
             f"turns {MISS_AT}+ computed {computed} of {sum(r['prompt_tokens'] for r in after)} prompt tokens, "
             f"restored {[r['restored'] for r in after]}")
     for r in after:
+        assert r["cache_n"] >= previous[(r["conversation"], r["turn"] - 1)], r   # the RAM (or a file) had it all
+
+
+OPENINGS = ("hi", "Hello!", "¿Qué tal?", "hey, quick one")   # what real chats open with: shorter than a block
+
+
+def test_a_session_s_few_word_opening_is_not_restored_over_the_later_turn_the_ram_holds(tmp_path: Any) -> None:
+    """A chat opening of a few words ("hi") is shorter than one identity block: the file saved for it has an empty
+    chain, which says nothing of what it holds. Once the RAM is relied on, the later turns are not saved; a return
+    whose only file is that opening, while the server's RAM holds its last turn, is weighed like any older file
+    (the file taken as sparing nothing), not restored blindly over it: on a ShareGPT run that threw away 539 of a
+    609-token history. (The RAM is taken as seen serving RAM_TRUST prompts from turn 1, as after enough probes.)"""
+    with behind_lpcache(tmp_path, None, big_threshold_words=None, meta_max=0) as proxy:
+        ram = proxy.pipeline.backends[0].ram
+        book = proxy.pipeline.sessions
+        empty_files: list[str] = []
+
+        def before_turn(turn: int) -> None:
+            proxy.settle()
+            if turn == 1:
+                empty_files.extend(i.file for i in book.all_owners() if i.saves and not i.saved_chain)
+
+                async def record() -> None:
+                    for _ in range(RAM_TRUST):
+                        ram.seen(True, time.monotonic())
+                proxy.run(record())
+
+        rows = play(proxy.url, session_ids=True, turns=4, before_turn=before_turn, openings=OPENINGS)
+        proxy.settle()
+        left_to_ram = [r for r in proxy.records if r.ram_expected]
+    previous = {(r["conversation"], r["turn"]): r["prompt_tokens"] for r in rows}
+    later = [r for r in rows if r["turn"] >= 2]
+    figures(f"few-word openings saved with an empty chain: {len(empty_files)} of {CONVERSATIONS}; "
+            f"{len(left_to_ram)} turns left to the RAM; turns 2+ computed {sum(r['prompt_n'] for r in later)} of "
+            f"{sum(r['prompt_tokens'] for r in later)} prompt tokens, restored {[r['restored'] for r in later]}")
+    assert len(empty_files) >= 2, empty_files          # the case this is about: openings filed under no chain
+    for r in later:
         assert r["cache_n"] >= previous[(r["conversation"], r["turn"] - 1)], r   # the RAM (or a file) had it all
