@@ -528,12 +528,12 @@ class SlotFiller:
                     restore = False
                     record.ram_expected = speeds.tokens_of(found[1])
                     record.route = "session_server_ram"
-            elif found is not None and slot.content is not None and info.homes:
+            elif found is not None and slot.content is not None and info.homes and backend.ram.served:
                 # its file holds a prompt shorter than one identity block (an opening of a few words: a real chat's
                 # "hi"), so its chain says nothing, and the server held more of the session since (`found`): a turn
-                # the RAM was trusted with and that was not saved. Restoring that file blindly threw the turn away
-                # (539 of 609 tokens computed again on a ShareGPT run); the RAM is weighed against it, the file
-                # taken as sparing nothing
+                # left unsaved to a RAM that serves. Restoring that file blindly threw the turn away (539 of 609
+                # tokens computed again on a ShareGPT run); the RAM is weighed against it, the file taken as sparing
+                # nothing (behind a RAM that has not served lately, the file is restored: it is all there is)
                 if self.rely_on_ram(backend, speeds, found[1], probe=True, file_blocks=0):
                     restore = False
                     record.ram_expected = speeds.tokens_of(found[1])
