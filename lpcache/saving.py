@@ -237,7 +237,8 @@ class Saver:
             return content
         info = self.sessions.get(content.key)
         if info is not None:
-            self.sessions.saved(info, backend.index, record.save_bytes, content.chain)
+            self.sessions.saved(info, backend.index, record.save_bytes, content.chain,
+                                int_or_none(result.body.get("n_saved")) or content.tokens)
         return replace(content, saved=True)
 
     async def save(self, choice: Choice, backend: Backend, prompt: Prompt, content: Content,
@@ -373,7 +374,8 @@ class Saver:
             if held.session is not None:
                 info = self.sessions.get(held.key)
                 if info is not None:
-                    self.sessions.saved(info, backend.index, n_written, held.chain)
+                    self.sessions.saved(info, backend.index, n_written, held.chain,
+                                        int_or_none(result.body.get("n_saved")) or held.tokens)
             elif held.prompt is not None:
                 self.spawn(self.index.add(held.prompt, held.key, backend.url, path, held.fingerprint,
                                           int_or_none(result.body.get("n_saved")), n_written,

@@ -224,16 +224,18 @@ class SessionInfo:
     saves: int = 0
     file_bytes: int | None = None    # size of its file after the last save, as the server reported it
     saved_chain: tuple[int, ...] = ()  # block chain of the prompt its file holds
+    saved_tokens: int | None = None  # tokens its file holds, as saved by this replica (None: not known here)
     homes: set[int] = field(default_factory=set)  # backends (indexes) that saved its file
     summary: Summary | None = None   # its last prompt, to say where the next one differs
     comparison: Comparison | None = None
     owner: str | None = None         # digest of the client key that made it (None without client keys)
     apis: dict[str, int] = field(default_factory=dict)  # its requests by API (chat, responses, messages...)
 
-    def saved(self, backend: int, file_bytes: int | None, chain: tuple[int, ...]) -> None:
-        """Its file was just written by `backend` and holds the prompt of `chain`."""
+    def saved(self, backend: int, file_bytes: int | None, chain: tuple[int, ...],
+              tokens: int | None = None) -> None:
+        """Its file was just written by `backend` and holds the prompt of `chain` (`tokens` of it, when known)."""
         self.saves += 1
-        self.file_bytes, self.saved_chain = file_bytes, chain
+        self.file_bytes, self.saved_chain, self.saved_tokens = file_bytes, chain, tokens
         self.homes.add(backend)
 
     def as_dict(self) -> dict[str, Any]:
@@ -296,9 +298,10 @@ class SessionBook:
     def get(self, file: str) -> SessionInfo | None:
         return self._by_file.get(file)
 
-    def saved(self, info: SessionInfo, backend: int, file_bytes: int | None, chain: tuple[int, ...]) -> None:
+    def saved(self, info: SessionInfo, backend: int, file_bytes: int | None, chain: tuple[int, ...],
+              tokens: int | None = None) -> None:
         """The session's file was just written (`SessionInfo.saved`); with REDIS_URL the other replicas are told."""
-        info.saved(backend, file_bytes, chain)
+        info.saved(backend, file_bytes, chain, tokens)
         if self.on_saved is not None:
             self.on_saved(info)
 

@@ -337,15 +337,18 @@ class SlotFiller:
         return found[0], found[1], self.rely_on_ram(backend, speeds, found[1])
 
     def rely_on_ram(self, backend: Backend, speeds: Speeds, blocks: int, probe: bool = False,
-                    file_blocks: int | None = None) -> bool:
+                    file_blocks: int | None = None, file_tokens: float | None = None) -> bool:
         """Whether to leave `blocks` of a prompt to the server's RAM prompt cache rather than restore them from a
         file (`server_cache.RamWatch`); with `probe`, also to find out whether that RAM serves (`RamWatch.probe`:
         the caller is about to restore, and its slot holds something, so the server will look in its RAM).
         `file_blocks`: the file holds only that much of them (an older turn of a session whose last one was left
-        to the RAM): the restore's side also prefills the rest."""
+        to the RAM): the restore's side also prefills the rest. `file_tokens`: the same, counted in tokens (a file
+        whose prompt is shorter than one identity block has no blocks to count)."""
         tokens = speeds.tokens_of(blocks)
         prefill = speeds.prefill.seconds(tokens)
         held = tokens if file_blocks is None else speeds.tokens_of(min(file_blocks, blocks))
+        if file_tokens is not None:
+            held = min(file_tokens, tokens)
         rest = speeds.prefill.seconds(tokens - held) if held < tokens else 0.0
         restore = speeds.restore.seconds(held)
         if restore is not None and rest is not None:
@@ -528,13 +531,14 @@ class SlotFiller:
                     restore = False
                     record.ram_expected = speeds.tokens_of(found[1])
                     record.route = "session_server_ram"
-            elif found is not None and slot.content is not None and info.homes and backend.ram.served:
-                # its file holds a prompt shorter than one identity block (an opening of a few words: a real chat's
-                # "hi"), so its chain says nothing, and the server held more of the session since (`found`): a turn
-                # left unsaved to a RAM that serves. Restoring that file blindly threw the turn away (539 of 609
-                # tokens computed again on a ShareGPT run); the RAM is weighed against it, the file taken as sparing
-                # nothing (behind a RAM that has not served lately, the file is restored: it is all there is)
-                if self.rely_on_ram(backend, speeds, found[1], probe=True, file_blocks=0):
+            elif found is not None and slot.content is not None and info.saved_tokens:
+                # its file holds a prompt shorter than one identity block (an opening of a few words, a real chat's
+                # "hi", and its answer), so its chain says nothing, and the server held more of the session since
+                # (`found`): a turn left unsaved to the RAM. Restoring that file blindly threw the turn away (539 of
+                # 609 tokens computed again on a ShareGPT run); the RAM is weighed against restoring the file's
+                # tokens and computing the rest, as for any older file (a file another replica saved, whose tokens
+                # are not known here, is restored)
+                if self.rely_on_ram(backend, speeds, found[1], probe=True, file_tokens=info.saved_tokens):
                     restore = False
                     record.ram_expected = speeds.tokens_of(found[1])
                     record.route = "session_server_ram"

@@ -211,8 +211,10 @@ def test_a_session_s_few_word_opening_is_not_restored_over_the_later_turn_the_ra
     """A chat opening of a few words ("hi") is shorter than one identity block: the file saved for it has an empty
     chain, which says nothing of what it holds. Once the RAM is relied on, the later turns are not saved; a return
     whose only file is that opening, while the server's RAM holds its last turn, is weighed like any older file
-    (the file taken as sparing nothing), not restored blindly over it: on a ShareGPT run that threw away 539 of a
-    609-token history. (The RAM is taken as seen serving RAM_TRUST prompts from turn 1, as after enough probes.)"""
+    (by the tokens the file holds), not restored blindly over it: on a ShareGPT run that threw away 539 of a
+    609-token history. (The RAM is taken as seen serving RAM_TRUST prompts from turn 1, as after enough probes.
+    The openings are saved because on this CPU a file of their tokens pays; a machine where it would not does
+    not have the case, and fails the precondition.)"""
     with behind_lpcache(tmp_path, None, big_threshold_words=None, meta_max=0) as proxy:
         ram = proxy.pipeline.backends[0].ram
         book = proxy.pipeline.sessions
@@ -231,11 +233,13 @@ def test_a_session_s_few_word_opening_is_not_restored_over_the_later_turn_the_ra
         rows = play(proxy.url, session_ids=True, turns=4, before_turn=before_turn, openings=OPENINGS)
         proxy.settle()
         left_to_ram = [r for r in proxy.records if r.ram_expected]
+        weighed = [r.route for r in proxy.records[2 * CONVERSATIONS:]]   # turns 2+, whose file is the opening
     previous = {(r["conversation"], r["turn"]): r["prompt_tokens"] for r in rows}
     later = [r for r in rows if r["turn"] >= 2]
     figures(f"few-word openings saved with an empty chain: {len(empty_files)} of {CONVERSATIONS}; "
             f"{len(left_to_ram)} turns left to the RAM; turns 2+ computed {sum(r['prompt_n'] for r in later)} of "
             f"{sum(r['prompt_tokens'] for r in later)} prompt tokens, restored {[r['restored'] for r in later]}")
     assert len(empty_files) >= 2, empty_files          # the case this is about: openings filed under no chain
+    assert weighed.count("session_server_ram") >= CONVERSATIONS, weighed   # left to the RAM, not restored blindly
     for r in later:
         assert r["cache_n"] >= previous[(r["conversation"], r["turn"] - 1)], r   # the RAM (or a file) had it all
