@@ -337,18 +337,15 @@ class SlotFiller:
         return found[0], found[1], self.rely_on_ram(backend, speeds, found[1])
 
     def rely_on_ram(self, backend: Backend, speeds: Speeds, blocks: int, probe: bool = False,
-                    file_blocks: int | None = None, file_tokens: float | None = None) -> bool:
+                    file_tokens: float | None = None) -> bool:
         """Whether to leave `blocks` of a prompt to the server's RAM prompt cache rather than restore them from a
         file (`server_cache.RamWatch`); with `probe`, also to find out whether that RAM serves (`RamWatch.probe`:
         the caller is about to restore, and its slot holds something, so the server will look in its RAM).
-        `file_blocks`: the file holds only that much of them (an older turn of a session whose last one was left
-        to the RAM): the restore's side also prefills the rest. `file_tokens`: the same, counted in tokens (a file
-        whose prompt is shorter than one identity block has no blocks to count)."""
+        `file_tokens`: the file holds only that many of their tokens (an older turn of a session whose last one was
+        left to the RAM): the restore's side also prefills the rest."""
         tokens = speeds.tokens_of(blocks)
         prefill = speeds.prefill.seconds(tokens)
-        held = tokens if file_blocks is None else speeds.tokens_of(min(file_blocks, blocks))
-        if file_tokens is not None:
-            held = min(file_tokens, tokens)
+        held = tokens if file_tokens is None else min(file_tokens, tokens)
         rest = speeds.prefill.seconds(tokens - held) if held < tokens else 0.0
         restore = speeds.restore.seconds(held)
         if restore is not None and rest is not None:
@@ -520,33 +517,32 @@ class SlotFiller:
             shares = common_prefix(slot.content.chain, prompt.exact) if slot.content is not None else 0
             if found is not None and (found[0] != backend.index or found[1] < shares + 2):
                 found = None   # not this server's, or no more than the slot itself holds (a shared system prompt)
+            file_tokens: float | None = None   # what the session's file holds of the prompt, to weigh the RAM with
             if info.saved_chain:
                 gained = common_prefix(info.saved_chain, prompt.exact)
                 restore = speeds.restore_pays(round(speeds.tokens_of(len(info.saved_chain))),
                                               speeds.tokens_of(gained))
                 record.restore_skipped = not restore or None
-                if restore and found is not None and found[1] >= gained and slot.content is not None and \
-                        self.rely_on_ram(backend, speeds, found[1], probe=True, file_blocks=gained):
-                    # the server's RAM likely holds the session's prompt: the pinned request finds it there
-                    restore = False
-                    record.ram_expected = speeds.tokens_of(found[1])
-                    record.route = "session_server_ram"
-            elif found is not None and slot.content is not None and info.saved_tokens:
+                if restore and found is not None and found[1] >= gained:
+                    file_tokens = speeds.tokens_of(gained)
+            elif found is not None and info.saved_tokens:
                 # its file holds a prompt shorter than one identity block (an opening of a few words, a real chat's
                 # "hi", and its answer), so its chain says nothing, and the server held more of the session since
                 # (`found`): a turn left unsaved to the RAM. Restoring that file blindly threw the turn away (539 of
-                # 609 tokens computed again on a ShareGPT run); the RAM is weighed against restoring the file's
-                # tokens and computing the rest, as for any older file (a file another replica saved, whose tokens
-                # are not known here, is restored)
-                if self.rely_on_ram(backend, speeds, found[1], probe=True, file_tokens=info.saved_tokens):
-                    restore = False
-                    record.ram_expected = speeds.tokens_of(found[1])
-                    record.route = "session_server_ram"
+                # 609 tokens computed again on a ShareGPT run); it is weighed by its tokens like any older file (a
+                # file another replica saved, whose tokens are not known here, is restored)
+                file_tokens = info.saved_tokens
             elif found is not None and slot.content is not None:
                 # no file to restore (none was worth saving): the server's RAM is the only place the prompt can come
                 # from, and what it does is seen for free, misses included (`RamWatch.miss_rate` says what a file
                 # would spare)
                 record.ram_expected = speeds.tokens_of(found[1])
+            if file_tokens is not None and found is not None and slot.content is not None and \
+                    self.rely_on_ram(backend, speeds, found[1], probe=True, file_tokens=file_tokens):
+                # the server's RAM likely holds the session's prompt: the pinned request finds it there
+                restore = False
+                record.ram_expected = speeds.tokens_of(found[1])
+                record.route = "session_server_ram"
         held = slot.content
         if restore and info is not None and (info.saved_chain or info.homes) and held is not None and \
                 held.key != want.key and self.ram_keeps(backend, slot, held):
