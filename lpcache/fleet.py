@@ -624,9 +624,12 @@ class Fleet:
             self.stats.redis_calls += 1
 
     def session_saved(self, info: SessionInfo) -> None:
+        latest = info.latest if info.latest is not None and info.latest < len(self.backends) else None
         doc = {"session": info.session, "route": info.route, "file": info.file, "owner": info.owner,
-               "file_bytes": info.file_bytes, "chain": list(info.saved_chain), "at": time.time(),
-               "homes": [self.backends[i].url for i in sorted(info.homes) if i < len(self.backends)]}
+               "file_bytes": info.file_bytes, "chain": list(info.saved_chain), "tokens": info.saved_tokens,
+               "at": info.saved_at,   # wall clock: two saves of one session are seconds apart, clock skew less
+               "homes": [self.backends[i].url for i in sorted(info.homes) if i < len(self.backends)],
+               "latest": self.backends[latest].url if latest is not None else None}
         self.spawn(self._write("sessions", info.file, orjson.dumps(doc)))
         if self.map.count("sessions") > SESSIONS_SHARED * 1.1 and not self._pruning:
             self._pruning = True
@@ -689,6 +692,7 @@ class Fleet:
             if not slot.busy and slot.name not in self._releasing:
                 self._reconcile(slot)
         if lost:
+            self._leases_lost()
             for key, document in await asyncio.to_thread(self.index.documents):
                 await self.map.put("index", key, document)
             for slot in self.pool.slots:
@@ -718,6 +722,19 @@ class Fleet:
                 self.session_saved(known)
         self._unpublished.clear()
 
+    def _leases_lost(self) -> None:
+        """Redis lost its data, the other replicas' leases with it: a slot marked `elsewhere` is no longer held
+        there (its holder's release may have been what Redis never took), so this replica's requests need not wait
+        out the lease it last saw. A slot claimed again since is marked anew when the map is read again."""
+        freed = False
+        for slot in self.pool.slots:
+            if slot.elsewhere is not None and not slot.busy:
+                slot.elsewhere, slot.pending, slot.phase = None, None, ""
+                slot.answer_tokens, slot.restoring = None, None
+                freed = True
+        if freed:
+            self.pool.wake()
+
     def on_change(self, ns: str, key: str, value: bytes | None) -> None:
         """Another replica's change (or a reload's difference) into this replica's objects."""
         if ns == "slots":
@@ -736,9 +753,16 @@ class Fleet:
             doc = orjson.loads(value)
             urls = set(doc.get("homes") or ())
             info = self.sessions.known(file, str(doc["session"]), str(doc["route"]), doc.get("owner"))
+            info.homes |= {b.index for b in self.backends if b.url in urls}
+            at = float(doc.get("at") or 0)
+            if at < info.saved_at:
+                return   # an older save than the one this replica knows (written again after Redis lost its data)
             info.saved_chain = tuple(int(d) for d in doc.get("chain") or ())
             info.file_bytes = doc.get("file_bytes")
-            info.homes |= {b.index for b in self.backends if b.url in urls}
+            tokens = doc.get("tokens")
+            info.saved_tokens = tokens if isinstance(tokens, int) and tokens > 0 else None
+            info.saved_at = at
+            info.latest = next((b.index for b in self.backends if b.url == doc.get("latest")), None)
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
             log.debug("session_doc_skipped file=%s", file)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+import time
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -224,8 +225,10 @@ class SessionInfo:
     saves: int = 0
     file_bytes: int | None = None    # size of its file after the last save, as the server reported it
     saved_chain: tuple[int, ...] = ()  # block chain of the prompt its file holds
-    saved_tokens: int | None = None  # tokens its file holds, as saved by this replica (None: not known here)
-    homes: set[int] = field(default_factory=set)  # backends (indexes) that saved its file
+    saved_tokens: int | None = None  # tokens its file holds (None: not known here)
+    saved_at: float = 0.0            # wall clock of the save that wrote its newest file, as far as this replica knows
+    homes: set[int] = field(default_factory=set)  # backends (indexes) that saved a copy of its file, older ones too
+    latest: int | None = None        # the backend that saved the newest copy (None: not known, e.g. an old document)
     summary: Summary | None = None   # its last prompt, to say where the next one differs
     comparison: Comparison | None = None
     owner: str | None = None         # digest of the client key that made it (None without client keys)
@@ -233,9 +236,12 @@ class SessionInfo:
 
     def saved(self, backend: int, file_bytes: int | None, chain: tuple[int, ...],
               tokens: int | None = None) -> None:
-        """Its file was just written by `backend` and holds the prompt of `chain` (`tokens` of it, when known)."""
+        """Its file was just written by `backend` and holds the prompt of `chain` (`tokens` of it, when known). With
+        a slot-save folder per server, the copies other servers saved before are now older: `latest` says where the
+        newest is (`SlotFill.session_homes`)."""
         self.saves += 1
         self.file_bytes, self.saved_chain, self.saved_tokens = file_bytes, chain, tokens
+        self.saved_at, self.latest = time.time(), backend
         self.homes.add(backend)
 
     def as_dict(self) -> dict[str, Any]:

@@ -365,14 +365,16 @@ class SlotFiller:
         return False
 
     def session_homes(self, want: Content | None) -> frozenset[int]:
-        """The backends whose slot-save folder has the session's file (where it was saved, or a folder shared with
-        that backend)."""
+        """The backends whose slot-save folder has the session's newest file (where it was last saved, or a folder
+        shared with that backend). A copy another server saved before it is older: restoring it would compute again
+        the turns saved since, so such a server is no home to choose or wait for."""
         info = self.sessions.get(want.key) if want is not None else None
         if info is None or not info.homes:
             return frozenset()
-        paths = {self.backends[i].config.slot_save_path for i in info.homes} - {None}
+        newest = {info.latest} if info.latest is not None and info.latest < len(self.backends) else info.homes
+        paths = {self.backends[i].config.slot_save_path for i in newest} - {None}
         return frozenset(b.index for b in self.backends
-                         if b.index in info.homes or b.config.slot_save_path in paths)
+                         if b.index in newest or b.config.slot_save_path in paths)
 
     def release_choice(self, choice: Choice) -> None:
         """The request gave up its slot before the restore ran: its candidate is no longer protected."""

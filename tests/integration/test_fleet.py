@@ -345,9 +345,9 @@ async def test_fleet_claims_never_give_one_slot_to_two_valid_holders(redis_serve
 
 
 async def _fleets(redis: RedisServer, tmp_path: Any, n: int, ttl_ms: int = 3000,
-                  folder: str | None = None) -> list[Any]:
-    """`n` replicas' Fleet objects on one backend of two slots (`folder`: its slot-save folder as lpcache sees
-    it; None: on another host), started."""
+                  folder: str | None = None, servers: int = 1) -> list[Any]:
+    """`n` replicas' Fleet objects on `servers` backends of two slots each (`folder`: the first one's slot-save
+    folder as lpcache sees it; None: on another host; the others' folders are their own), started."""
     import asyncio
     from types import SimpleNamespace
 
@@ -359,10 +359,11 @@ async def _fleets(redis: RedisServer, tmp_path: Any, n: int, ttl_ms: int = 3000,
 
     fleets = []
     for i in range(n):
-        backend = SimpleNamespace(index=0, url="http://b:8080", suspect=False,
-                                  config=SimpleNamespace(slot_save_path=folder))
-        pool = SlotPool([Slot(0, s, url="http://b:8080") for s in range(2)])
-        fleet = Fleet(redis.url, f"r{i}", ttl_ms, [backend], pool,   # type: ignore[list-item]
+        backends = [SimpleNamespace(index=k, url=f"http://b:{8080 + k}", suspect=False,
+                                    config=SimpleNamespace(slot_save_path=folder if k == 0 else f"/slots{k}"))
+                    for k in range(servers)]
+        pool = SlotPool([Slot(b.index, s, url=b.url) for b in backends for s in range(2)])
+        fleet = Fleet(redis.url, f"r{i}", ttl_ms, backends, pool,   # type: ignore[arg-type]
                       MetaIndex(str(tmp_path / f"meta{i}"), 10, 10), SessionBook(), SpeedBook(),
                       lambda c: asyncio.ensure_future(c), ring_files=4)
         await fleet.start()
@@ -771,6 +772,80 @@ async def test_a_slot_state_written_after_redis_lost_its_data_is_never_an_older_
         b.pool.release(slot_b, True)
         assert await _wait_for(lambda: slot_a.content is not None and slot_a.content.key == "e" * 64), \
             "the other replica takes the new state (a late republish of the older one must not win)"
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_a_release_redis_never_took_holds_no_slot_once_redis_lost_its_data(
+        redis_server: RedisServer, tmp_path: Any) -> None:
+    """A replica gives a slot back just as Redis dies: its release never reaches Redis, so the others still see the
+    slot held there (`elsewhere`), and that replica is not back yet to say otherwise (here: gone). Redis comes back
+    empty, the lease gone with its data: the slot is free at once for the others, not after the lease's time they
+    last saw (a minute here); a claim made after the loss is seen again."""
+    from lpcache.slots import Content
+
+    a, b, c = await _fleets(redis_server, tmp_path, 3, ttl_ms=60_000)
+    stopped = False
+    try:
+        slot_a, slot_b, slot_c = (f.pool.slots[1] for f in (a, b, c))
+        slot_a.busy = True
+        assert await a.claim(slot_a)
+        assert await _wait_for(lambda: slot_b.elsewhere == "r0"), "B saw A's claim"
+        redis_server.kill()
+        slot_a.content = Content("f" * 64, (5,), saved=True, model="m", tokens=30)
+        a.pool.release(slot_a, True)
+        assert await _wait_for(lambda: slot_a.name not in a._releasing and slot_a.name not in a._handing)
+        await a.stop()
+        stopped = True
+        assert slot_b.elsewhere == "r0" and slot_b.taken, "the release never reached B"
+        redis_server.restart()
+        assert await _wait_for(lambda: b.healthy and c.healthy, 20)
+        assert await _wait_for(lambda: slot_b.elsewhere is None and not slot_b.taken, 10), \
+            "the lease went with Redis's data: the slot is free for B"
+        slot_c.busy = True
+        assert await c.claim(slot_c)
+        assert await _wait_for(lambda: slot_b.elsewhere == "r2"), "a claim after the loss is seen again"
+        slot_c.content = Content("g" * 64, (6,), saved=True, model="m", tokens=31)
+        c.pool.release(slot_c, True)
+        assert await _wait_for(lambda: slot_b.elsewhere is None and slot_b.content is not None
+                               and slot_b.content.key == "g" * 64)
+    finally:
+        for fleet in (b, c) if stopped else (a, b, c):
+            await fleet.stop()
+
+
+async def test_a_session_saved_on_another_server_is_looked_for_there_and_an_older_save_never_wins(
+        redis_server: RedisServer, tmp_path: Any) -> None:
+    """Two servers with a slot-save folder each: a session saved on the first, then (its slots busy) on the second.
+    The first server's copy is older, so both replicas look for the session on the second only (a restore of the
+    older copy would compute again the turns saved since), and learn the tokens the newest file holds. A document
+    of an older save (a replica writing again what it knew, after Redis lost its data) changes nothing."""
+    import orjson
+
+    from lpcache.slot_fill import SlotFiller
+    from lpcache.slots import Content
+
+    a, b = await _fleets(redis_server, tmp_path, 2, folder=str(tmp_path / "slots0"), servers=2)
+    try:
+        file = "m-route_séance-42.bin"
+        info_a = a.sessions.known(file, "séance 42", "m-route", None)
+        a.sessions.saved(info_a, 0, 1000, (1, 2), tokens=400)
+        assert await _wait_for(lambda: b.sessions.get(file) is not None and b.sessions.get(file).latest == 0)
+        info_b = b.sessions.get(file)
+        assert info_b.saved_tokens == 400 and info_b.homes == {0}
+        older = orjson.dumps({"session": "séance 42", "route": "m-route", "file": file, "owner": None,
+                              "file_bytes": 1000, "chain": [1, 2], "tokens": 400, "at": info_a.saved_at,
+                              "homes": ["http://b:8080"], "latest": "http://b:8080"})
+        b.sessions.saved(info_b, 1, 1200, (1, 2, 3), tokens=480)
+        assert await _wait_for(lambda: info_a.latest == 1), "A learns where the newest copy is"
+        assert info_a.homes == {0, 1} and info_a.saved_tokens == 480 and info_a.saved_chain == (1, 2, 3)
+        for fleet in (a, b):
+            homes = SlotFiller.session_homes(fleet, Content(file, (1, 2, 3, 4)))   # type: ignore[arg-type]
+            assert homes == {1}, homes
+        a.on_change("sessions", file, older)
+        assert info_a.latest == 1 and info_a.saved_chain == (1, 2, 3) and info_a.saved_tokens == 480, \
+            "an older save's document is not taken over a newer one"
     finally:
         await a.stop()
         await b.stop()
