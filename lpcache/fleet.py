@@ -626,6 +626,7 @@ class Fleet:
     def session_saved(self, info: SessionInfo) -> None:
         latest = info.latest if info.latest is not None and info.latest < len(self.backends) else None
         doc = {"session": info.session, "route": info.route, "file": info.file, "owner": info.owner,
+               "replica": self.replica,
                "file_bytes": info.file_bytes, "chain": list(info.saved_chain), "tokens": info.saved_tokens,
                "at": info.saved_at,   # wall clock: two saves of one session are seconds apart, clock skew less
                "homes": [self.backends[i].url for i in sorted(info.homes) if i < len(self.backends)],
@@ -692,7 +693,7 @@ class Fleet:
             if not slot.busy and slot.name not in self._releasing:
                 self._reconcile(slot)
         if lost:
-            self._leases_lost()
+            await self._leases_lost()
             for key, document in await asyncio.to_thread(self.index.documents):
                 await self.map.put("index", key, document)
             for slot in self.pool.slots:
@@ -710,7 +711,7 @@ class Fleet:
                     except (RedisError, OSError) as e:
                         raise SharedStoreDown(f"Redis did not take a slot's state again: {e!r}") from e
             for info in self.sessions.all_owners():
-                if info.saved_chain:
+                if info.saved_chain and info.saved_here:   # first-hand: another replica's save is its to write
                     self.session_saved(info)
             self._unpublished.clear()
             return
@@ -722,18 +723,27 @@ class Fleet:
                 self.session_saved(known)
         self._unpublished.clear()
 
-    def _leases_lost(self) -> None:
-        """Redis lost its data, the other replicas' leases with it: a slot marked `elsewhere` is no longer held
-        there (its holder's release may have been what Redis never took), so this replica's requests need not wait
-        out the lease it last saw. A slot claimed again since is marked anew when the map is read again."""
-        freed = False
+    async def _leases_lost(self) -> None:
+        """Redis lost its data, the leases with it. This replica's requests still in a slot take their leases
+        again (only where no other replica claimed the slot since: a claim is then refused by Redis, not by timing).
+        A slot it saw held by another replica (`elsewhere`) is believed held a bounded time more, not the lease's
+        whole time it last saw: a live holder learns its lease is gone by its next renewal (a third of the ttl on,
+        within a call's time) and then writes nothing, and a holder whose release Redis never took says so again as
+        it notices Redis is back (`republish`); one that never comes back frees it then. What such a slot holds is
+        unknown meanwhile (its holder's word went with Redis)."""
+        for slot, held in list(self._held.items()):
+            if held.lease.valid() and not held.lease.released:
+                with contextlib.suppress(RedisError, OSError, asyncio.TimeoutError):
+                    async with self._bounded():
+                        await self.client.set(PREFIX + slot.name, held.lease.value, nx=True, px=self.ttl_ms)
+        bound = time.monotonic() + self.ttl_ms / 3000 + CALL_TIMEOUT
+        soonest = None
         for slot in self.pool.slots:
-            if slot.elsewhere is not None and not slot.busy:
-                slot.elsewhere, slot.pending, slot.phase = None, None, ""
-                slot.answer_tokens, slot.restoring = None, None
-                freed = True
-        if freed:
-            self.pool.wake()
+            if slot.elsewhere is not None and not slot.busy and slot.elsewhere_until > bound:
+                slot.elsewhere_until, slot.content = bound, None
+                soonest = bound
+        if soonest is not None:
+            asyncio.get_running_loop().call_later(max(soonest - time.monotonic(), 0.0) + 0.01, self.pool.wake)
 
     def on_change(self, ns: str, key: str, value: bytes | None) -> None:
         """Another replica's change (or a reload's difference) into this replica's objects."""
@@ -761,7 +771,7 @@ class Fleet:
             info.file_bytes = doc.get("file_bytes")
             tokens = doc.get("tokens")
             info.saved_tokens = tokens if isinstance(tokens, int) and tokens > 0 else None
-            info.saved_at = at
+            info.saved_at, info.saved_here = at, doc.get("replica") == self.replica
             info.latest = next((b.index for b in self.backends if b.url == doc.get("latest")), None)
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
             log.debug("session_doc_skipped file=%s", file)

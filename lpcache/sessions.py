@@ -227,6 +227,7 @@ class SessionInfo:
     saved_chain: tuple[int, ...] = ()  # block chain of the prompt its file holds
     saved_tokens: int | None = None  # tokens its file holds (None: not known here)
     saved_at: float = 0.0            # wall clock of the save that wrote its newest file, as far as this replica knows
+    saved_here: bool = False         # that save was this replica's (with REDIS_URL: its document is its to write)
     homes: set[int] = field(default_factory=set)  # backends (indexes) that saved a copy of its file, older ones too
     latest: int | None = None        # the backend that saved the newest copy (None: not known, e.g. an old document)
     summary: Summary | None = None   # its last prompt, to say where the next one differs
@@ -241,7 +242,8 @@ class SessionInfo:
         newest is (`SlotFill.session_homes`)."""
         self.saves += 1
         self.file_bytes, self.saved_chain, self.saved_tokens = file_bytes, chain, tokens
-        self.saved_at, self.latest = time.time(), backend
+        self.saved_at = max(time.time(), self.saved_at + 0.001)   # after the save it knew, whatever the clock says
+        self.latest, self.saved_here = backend, True
         self.homes.add(backend)
 
     def as_dict(self) -> dict[str, Any]:

@@ -255,7 +255,8 @@ class SlotFiller:
         if homes and choice.slot.backend not in homes:
             budget = self.budget(prompt)
             log.info("session_away file=%s slot=%s homes=%s plan=%s waited=%s home_slots=%s speeds=%s: the session's "
-                     "file is not on this server; its prompt is computed", session, choice.slot.name, sorted(homes),
+                     "newest file is not on this server; its prompt is computed (after an older copy of the file "
+                     "where this server's folder has one)", session, choice.slot.name, sorted(homes),
                      None if plan is None else round(plan.seconds, 2), planned,
                      ",".join(f"{s.name}:{'busy' if s.busy else 'elsewhere' if s.taken else 'idle'}/{s.phase or '-'}"
                               f"/budget={budget(s, len(prompt.exact), False):.2f}/answer={s.answer_tokens}"
@@ -576,14 +577,17 @@ class SlotFiller:
             self.restored_over(backend, previous, idle_copied)
             self.note_restore(backend, prompt.model, restored, record)
             record.restore_exact = True
-            if info is not None and info.saved_chain and prompt.exact:
+            # a copy an earlier turn left in this server's folder, older than the one saved since on another
+            # server's: it spares what it holds, and what that is the newest file's chain does not say
+            newest = info is not None and backend.index in self.session_homes(want)
+            if info is not None and newest and info.saved_chain and prompt.exact:
                 shared = common_prefix(info.saved_chain, prompt.exact)
                 record.restore_share = shared / len(prompt.exact)
                 record.restore_expected = (record.restored_tokens or 0) * shared / len(info.saved_chain)
             if restored.ok and info is not None:
                 info.restores += 1
                 if slot.content is not None:
-                    slot.content = replace(slot.content, chain=info.saved_chain,
+                    slot.content = replace(slot.content, chain=info.saved_chain if newest else (),
                                            tokens=int_or_none(restored.body.get("n_restored")))
         hit = result.skipped == "resident" or bool(restored is not None and restored.ok)
         record.cache_hit = hit

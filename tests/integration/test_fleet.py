@@ -777,18 +777,24 @@ async def test_a_slot_state_written_after_redis_lost_its_data_is_never_an_older_
         await b.stop()
 
 
-async def test_a_release_redis_never_took_holds_no_slot_once_redis_lost_its_data(
+async def test_a_release_redis_never_took_holds_no_slot_long_once_redis_lost_its_data(
         redis_server: RedisServer, tmp_path: Any) -> None:
     """A replica gives a slot back just as Redis dies: its release never reaches Redis, so the others still see the
-    slot held there (`elsewhere`), and that replica is not back yet to say otherwise (here: gone). Redis comes back
-    empty, the lease gone with its data: the slot is free at once for the others, not after the lease's time they
-    last saw (a minute here); a claim made after the loss is seen again."""
+    slot held there (`elsewhere`), and that replica is not back to say otherwise (here: gone). Redis comes back
+    empty, the lease gone with its data: the slot is free for the others within a third of the lease's time and
+    one call's bound (a live holder's renewal fails by then), not the whole lease's time they last saw, and what it
+    holds is unknown. A claim made after the loss is seen again."""
+    import time
+
+    from lpcache.fleet import CALL_TIMEOUT
     from lpcache.slots import Content
 
-    a, b, c = await _fleets(redis_server, tmp_path, 3, ttl_ms=60_000)
+    ttl = 12.0
+    a, b, c = await _fleets(redis_server, tmp_path, 3, ttl_ms=int(ttl * 1000))
     stopped = False
     try:
         slot_a, slot_b, slot_c = (f.pool.slots[1] for f in (a, b, c))
+        slot_b.content = Content("e" * 64, (4,), saved=True, model="m", tokens=20)   # B's belief before the claim
         slot_a.busy = True
         assert await a.claim(slot_a)
         assert await _wait_for(lambda: slot_b.elsewhere == "r0"), "B saw A's claim"
@@ -801,8 +807,10 @@ async def test_a_release_redis_never_took_holds_no_slot_once_redis_lost_its_data
         assert slot_b.elsewhere == "r0" and slot_b.taken, "the release never reached B"
         redis_server.restart()
         assert await _wait_for(lambda: b.healthy and c.healthy, 20)
-        assert await _wait_for(lambda: slot_b.elsewhere is None and not slot_b.taken, 10), \
-            "the lease went with Redis's data: the slot is free for B"
+        back = time.monotonic()
+        assert await _wait_for(lambda: not slot_b.taken, ttl)
+        assert time.monotonic() - back <= ttl / 3 + CALL_TIMEOUT + 0.5, "free well before the lease B saw lapsed"
+        assert slot_b.content is None, "what A left there is unknown"
         slot_c.busy = True
         assert await c.claim(slot_c)
         assert await _wait_for(lambda: slot_b.elsewhere == "r2"), "a claim after the loss is seen again"
@@ -813,6 +821,31 @@ async def test_a_release_redis_never_took_holds_no_slot_once_redis_lost_its_data
     finally:
         for fleet in (b, c) if stopped else (a, b, c):
             await fleet.stop()
+
+
+async def test_a_request_in_its_slot_as_redis_loses_its_data_keeps_the_slot(
+        redis_server: RedisServer, tmp_path: Any) -> None:
+    """A replica's request is in its slot when Redis restarts empty: once back, that replica takes its lease again,
+    so another replica's claim of the slot is refused by Redis, and the others still see the slot held."""
+    a, b = await _fleets(redis_server, tmp_path, 2, ttl_ms=12_000)
+    try:
+        slot_a, slot_b = a.pool.slots[0], b.pool.slots[0]
+        slot_a.busy = True
+        assert await a.claim(slot_a)
+        assert await _wait_for(lambda: slot_b.elsewhere == "r0")
+        redis_server.kill()
+        redis_server.restart()
+        assert await _wait_for(lambda: a.healthy and b.healthy and a.map.reloads > 0 and b.map.reloads > 0, 20)
+        assert slot_b.taken, "still held by A's request"
+        slot_b.busy = True
+        assert not await b.claim(slot_b), "Redis refuses B's claim: A took its lease again"
+        slot_b.busy = False
+        assert a.valid(slot_a), "A's lease is still A's"
+        a.pool.release(slot_a, True)
+        assert await _wait_for(lambda: slot_b.elsewhere is None and not slot_b.taken)
+    finally:
+        await a.stop()
+        await b.stop()
 
 
 async def test_a_session_saved_on_another_server_is_looked_for_there_and_an_older_save_never_wins(
