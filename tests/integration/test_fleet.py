@@ -806,7 +806,8 @@ async def test_a_release_redis_never_took_holds_no_slot_long_once_redis_lost_its
         stopped = True
         assert slot_b.elsewhere == "r0" and slot_b.taken, "the release never reached B"
         redis_server.restart()
-        assert await _wait_for(lambda: b.healthy and c.healthy, 20)
+        assert await _wait_for(lambda: b.healthy and c.healthy and b.map.reloads > 0 and c.map.reloads > 0, 20), \
+            "B and C noticed Redis lost its data"
         back = time.monotonic()
         assert await _wait_for(lambda: not slot_b.taken, ttl)
         assert time.monotonic() - back <= ttl / 3 + CALL_TIMEOUT + 0.5, "free well before the lease B saw lapsed"
