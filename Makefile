@@ -37,6 +37,7 @@ demo: setup
 lint: $(BIN)/lpcache
 	$(BIN)/ruff check lpcache tests bench
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 test: setup browser redis litellm lint
 	$(BIN)/python -m pytest -q

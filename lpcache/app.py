@@ -24,7 +24,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
-from . import __version__
 from .apis import BY_PATH
 from .apis.base import Api
 from .backends import Prober, start_backends
@@ -45,6 +44,7 @@ from .record import Observer, RequestRecord, log_record
 from .relay import PassThrough
 from .session_ids import MAX_CHARS, read_session_id
 from .slots import SlotPool
+from .version import __version__
 
 log = logging.getLogger("lpcache")
 

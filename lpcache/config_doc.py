@@ -13,36 +13,8 @@ import re
 import sys
 from collections.abc import Iterable, Sequence
 
-from .config import LOG_LEVELS, OPTIONS, SAVE_POLICIES, BackendConfig, Option
+from .config import LOG_LEVELS, OPTIONS, SAVE_POLICIES, BackendConfig, Option, grouped
 from .plugins.registry import BUILTINS
-
-# (title, what the group is for, the variables in it, in the order shown)
-GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("Core", "Where lpcache listens, what it logs, and how it decides which prompts to cache.",
-     ("HOST", "PORT", "MODEL_ID", "LOG_LEVEL", "WORDS_PER_BLOCK", "BIG_THRESHOLD_WORDS", "LCP_TH", "META_DIR",
-      "META_MAX", "META_MAX_GIB", "STREAM_QUEUE_SIZE", "COALESCE_REQUESTS")),
-    ("Backends", "The llama-server instances behind lpcache, and how a failing one is treated.",
-     ("BACKENDS", "LLAMA_URL", "N_SLOTS", "SLOT_SAVE_PATH", "LLAMA_API_KEY", "REQUEST_TIMEOUT",
-      "BREAKER_COOLDOWN_MS", "BREAKER_MAX_COOLDOWN_MS")),
-    ("Saving and sessions", "When a slot's cache is written to disk, and how many session files are kept "
-     "(see [sessions.md](sessions.md)).",
-     ("SAVE_RETRIES", "SAVE_RETRY_DELAY_MS", "SAVE_POLICY", "SAVE_IDLE_SECONDS", "MAX_FILES", "MAX_GIB",
-      "MODELS_MAX")),
-    ("Limits and hardening", "What a client may send and how long it may wait (see [operations.md](operations.md)).",
-     ("SLOT_WAIT_TIMEOUT", "SLOT_AFFINITY_WAIT", "LPCACHE_API_KEYS", "CLIENT_SLOT_ACTIONS", "MAX_BODY_BYTES",
-      "CLIENT_TIMEOUT", "SHUTDOWN_TIMEOUT")),
-    ("Scale-out", "Several lpcache replicas sharing one cache map through Redis (see [scale-out.md](scale-out.md)).",
-     ("REDIS_URL", "REPLICA_ID", "SLOT_LEASE_MS", "RING_FILES")),
-    ("Plugins", "Prefilters, the request log and the dashboard (see [plugins.md](plugins.md)).",
-     ("PLUGINS",)),
-    ("Request log", "The built-in `request_log` plugin, switched on without writing a `PLUGINS` spec.",
-     ("REQUEST_LOG", "REQUEST_LOG_PATH", "REQUEST_LOG_MAX_BYTES", "REQUEST_LOG_KEEP", "REQUEST_LOG_FIELDS")),
-    ("Legacy prefilter variables", "Read only when `PLUGINS` is unset: they become a `keyword` and a "
-     "`result_cache` plugin spec.",
-     ("PREFILTER_BLOCKLIST", "PREFILTER_CASE_INSENSITIVE", "PREFILTER_RESULT_CACHE_DIR",
-      "PREFILTER_RESULT_CACHE_TTL")),
-)
-OTHER_GROUP = ("Other settings", "Settings not sorted into a group yet.")
 
 # The keys of one BACKENDS entry: (JSON type, default, meaning). One per BackendConfig field.
 BACKEND_KEYS: dict[str, tuple[str, str, str]] = {
@@ -105,22 +77,6 @@ def markdown(text: str) -> str:
 def _plain(text: str) -> str:
     return (text.replace("\\", "\\\\").replace("|", "\\|").replace("*", "\\*")
             .replace("<", "&lt;").replace(">", "&gt;"))
-
-
-def grouped(options: Sequence[Option] = OPTIONS) -> list[tuple[str, str, list[Option]]]:
-    """The options by group, each exactly once: GROUPS' order, then any option no group names."""
-    by_env = {o.env: o for o in options}
-    groups: list[tuple[str, str, list[Option]]] = []
-    placed: set[str] = set()
-    for title, intro, names in GROUPS:
-        members = [by_env[n] for n in names if n in by_env and n not in placed]
-        placed.update(o.env for o in members)
-        if members:
-            groups.append((title, intro, members))
-    rest = [o for o in options if o.env not in placed]
-    if rest:
-        groups.append((*OTHER_GROUP, rest))
-    return groups
 
 
 _KINDS = {

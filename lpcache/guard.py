@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .apis import BY_PATH
 from .errors import ClientGoneReading, ProxyError
+from .llama import CREDENTIAL_HEADERS
 
 if TYPE_CHECKING:
     from .browser_login import BrowserLogin
@@ -27,7 +28,6 @@ OPEN_PATHS = frozenset({"/health"})  # a load balancer's health check needs no k
 
 
 # Where a client's key is, in the order llama-server reads them: Authorization, else X-Api-Key (Anthropic's clients).
-CREDENTIAL_HEADERS = ("authorization", "x-api-key")
 _SECRET_HEADERS = frozenset({*CREDENTIAL_HEADERS, "proxy-authorization"})
 
 

@@ -26,7 +26,6 @@ import aiohttp
 import orjson
 
 from .errors import BackendError, BackendUnreachable, BadRequest
-from .guard import CREDENTIAL_HEADERS
 
 log = logging.getLogger("lpcache.llama")
 
@@ -38,6 +37,10 @@ ERROR_BODY_SECONDS = 10.0  # an error answer's body comes with its headers: long
 
 # What aiohttp or the OS raise when a connection fails or a read times out.
 TRANSPORT_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
+
+# The headers that carry a client's credential (llama-server reads Authorization, else X-Api-Key): the edge checks
+# them (`guard`), and a request to a backend with its own key never passes the client's on.
+CREDENTIAL_HEADERS = ("authorization", "x-api-key")
 
 # Headers that belong to one hop (RFC 9110 7.6.1) or that aiohttp sets itself.
 HOP_HEADERS = frozenset({

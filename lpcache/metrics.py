@@ -19,9 +19,9 @@ from prometheus_client.registry import Collector
 from starlette.requests import Request
 from starlette.responses import Response
 
-from . import __version__
 from .apis import BY_PATH
 from .record import RequestRecord
+from .version import __version__
 from .worth import MISSED_KINDS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..record import RequestRecord
+from ..version import __version__
 from .base import Observer, PluginError
 
 log = logging.getLogger("lpcache.request_log")
@@ -185,8 +186,6 @@ class RequestLog(Observer):
     # -- rendering
 
     def header(self) -> str:
-        from .. import __version__  # here, not at import time: lpcache/__init__ imports the app, which loads plugins
-
         return (f"#Software: lpcache-plugins/{__version__}\n#Version: 1.0\n#Date-format: {DATE_FORMAT}\n"
                 f"#Fields: {' '.join(self.fields)}\n")
 

@@ -555,8 +555,7 @@ def test_a_server_root_url_gives_no_note() -> None:
 def test_the_help_is_grouped_as_the_configuration_page_and_its_examples_load() -> None:
     import shlex
 
-    from lpcache.config import EXAMPLES
-    from lpcache.config_doc import grouped
+    from lpcache.config import EXAMPLES, grouped
 
     text = build_parser().format_help()
     titles = [title for title, _, _ in grouped()]

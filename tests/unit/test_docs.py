@@ -130,9 +130,9 @@ def test_the_page_lists_exactly_the_backends_keys() -> None:
 
 
 def test_every_option_is_in_a_group_and_every_group_name_is_an_option() -> None:
-    named = [name for _title, _intro, names in config_doc.GROUPS for name in names]
+    named = [name for _title, _intro, names in config.GROUPS for name in names]
     assert len(named) == len(set(named))
-    assert set(named) == OPTION_NAMES, "sort the option into a group in lpcache/config_doc.py GROUPS"
+    assert set(named) == OPTION_NAMES, "sort the option into a group in lpcache/config.py GROUPS"
 
 
 def test_every_value_kind_is_read_from_the_parser() -> None:
