@@ -38,6 +38,7 @@ from .slot_truth import SlotTruth
 from .slots import Choice, Content, Lease, Slot, SlotPool
 
 log = logging.getLogger("lpcache.attempts")
+RETRY_MIN_SECONDS = 1.0   # the least time left worth another backend's try (less with a short REQUEST_TIMEOUT)
 
 
 def answer_tokens(body: dict[str, Any]) -> int | None:
@@ -292,7 +293,10 @@ class Attempts:
             self.excluded.add(backend.index)
         self.record.retries += 1
         ok = self.allowed()
-        if time.monotonic() >= self.deadline or not any(ok(s) for s in self.p.pool.slots):
+        # a try needs time to be worth it: a tenth of REQUEST_TIMEOUT, at most a second (a backend that hung for
+        # the whole timeout leaves none, whatever the timers' jitter; one refused at once leaves nearly all)
+        spare = min(RETRY_MIN_SECONDS, 0.1 * self.p.request_timeout)
+        if time.monotonic() >= self.deadline - spare or not any(ok(s) for s in self.p.pool.slots):
             self.record.reason = "backend_unreachable"
             raise error
         log.warning("failover from=%s#%d reason=%s try=%d", backend.url, slot.id, error.message,
