@@ -33,7 +33,7 @@ from .config import Settings, describe, shown_url
 from .edge import HeaderLimits
 from .errors import BackendUnreachable, BadRequest, ClientGone, ClientGoneReading, ProxyError
 from .forwarded import slot_actions_refused, slot_touched
-from .guard import ApiKeys, passed_on, read_body
+from .guard import ApiKeys, Caller, read_body
 from .index import MetaIndex
 from .llama import client_session
 from .metrics import Metrics
@@ -90,13 +90,19 @@ def _pipeline(request: Request) -> Pipeline:
     return request.app.state.pipeline  # type: ignore[no-any-return]
 
 
+def _caller(request: Request, pipeline: Pipeline) -> Caller:
+    """Who asks (`guard.Caller`), read from the request's headers once, where the request enters."""
+    return Caller.of(request.headers, bool(pipeline.settings.api_keys))
+
+
 async def generation(request: Request) -> ASGIApp:
     """Every generation API through the cache pipeline (`apis`)."""
     pipeline = _pipeline(request)
     record = new_record(request)
     api = BY_PATH[request.url.path]
+    caller = _caller(request, pipeline)
     try:
-        return await pipeline.generate(request, record, api)
+        return await pipeline.generate(request, record, api, caller)
     except ClientGoneReading:
         return client_left_reading(pipeline, record)
     except ClientGone:
@@ -156,7 +162,7 @@ async def sessions(request: Request) -> Response:
     pipeline = _pipeline(request)
     holders = {s.content.key: s for s in pipeline.pool.slots if s.content is not None and s.content.session}
     data = []
-    for info in pipeline.sessions.all(pipeline.owner(request)):
+    for info in pipeline.sessions.all(_caller(request, pipeline).owner):
         slot = holders.get(info.file)
         data.append({**info.as_dict(), "slot": None if slot is None else {
             "backend": pipeline.backends[slot.backend].url, "id": slot.id, "busy": slot.busy,
@@ -173,7 +179,7 @@ async def session_compare(request: Request) -> Response:
         return error_response(BadRequest(f"not a session id ({reading.reason}): a session id is text of 1 to "
                                          f"{MAX_CHARS} characters without control characters",
                                          code="invalid_session_id"))
-    info = pipeline.sessions.of_session(sid, request.query_params.get("route"), pipeline.owner(request))
+    info = pipeline.sessions.of_session(sid, request.query_params.get("route"), _caller(request, pipeline).owner)
     if info is None:
         return error_response(ProxyError("no such session since lpcache started", status=404, type="not_found_error",
                                          code="session_not_found"))
@@ -192,7 +198,7 @@ async def forward(request: Request) -> ASGIApp:
     path = request.scope.get("raw_path") or request.url.path.encode()
     query = request.scope.get("query_string") or b""
     path_qs = path.decode("latin-1") + (f"?{query.decode('latin-1')}" if query else "")
-    headers = passed_on(request.headers, bool(pipeline.settings.api_keys))
+    headers = _caller(request, pipeline).passed
     slot_action = request.method == "POST" and request.url.path.startswith("/slots")
     if slot_action and not pipeline.settings.client_slot_actions:
         record.status, record.reason = 403, "slot_actions_refused"

@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 import hmac
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from starlette.datastructures import Headers
@@ -97,6 +98,26 @@ def client_credential(headers: Mapping[str, str], keys_held: bool) -> dict[str, 
 def shown_headers(headers: Mapping[str, str]) -> dict[str, str]:
     """The request headers plugins see: without credentials (those count through `client_identity`)."""
     return {k: v for k, v in headers.items() if k.lower() not in _SECRET_HEADERS}
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who asks, read once from a request's headers where it enters (`app`) and carried with it: the steps that
+    need it (coalescing, the prefilters, session ownership, the call to llama-server) read these fields rather than
+    the headers again, so they all see the same caller."""
+
+    identity: str | None         # `client_identity`: answers are shared only between equal identities
+    owner: str | None            # with client keys, the key's digest: whose sessions it may use and see
+    credential: dict[str, str]   # `client_credential`: what goes on to llama-server with a generation request
+    passed: dict[str, str]       # `passed_on`: the headers as they go on
+    shown: dict[str, str]        # `shown_headers`: the headers plugins see
+    session: str | None          # X-Session-ID as the client sent it (None without)
+
+    @classmethod
+    def of(cls, headers: Mapping[str, str], keys_held: bool) -> Caller:
+        identity = client_identity(headers, keys_held)
+        return cls(identity, identity if keys_held else None, client_credential(headers, keys_held),
+                   passed_on(headers, keys_held), shown_headers(headers), headers.get("x-session-id"))
 
 
 async def send_error(send: Send, err: ProxyError, extra: Sequence[tuple[bytes, bytes]] = (),

@@ -29,7 +29,7 @@ from .coalesce import Coalescer, coalesce_key
 from .config import Settings
 from .errors import ClientGone, ProxyError
 from .fleet import Fleet
-from .guard import client_credential, client_identity, passed_on, read_body, shown_headers
+from .guard import Caller, read_body
 from .index import MetaIndex
 from .plugins.base import Answer, ChatRequest, Prefilter, Serve, answer_wanted_by
 from .prefix import Prompt, raw_prefix
@@ -94,28 +94,28 @@ class Pipeline:
 
     # ---- the steps ----
 
-    async def generate(self, request: Request, record: RequestRecord, api: Api) -> ASGIApp:
-        """Serve one generation request of `api`; returns the ASGI app that relays the answer. Raises ProxyError for
-        an error answer, ClientGone when the client left before the answer started (its record is already told)."""
+    async def generate(self, request: Request, record: RequestRecord, api: Api, caller: Caller) -> ASGIApp:
+        """Serve one generation request of `api` from `caller`; returns the ASGI app that relays the answer. Raises
+        ProxyError for an error answer, ClientGone when the client left before the answer started (its record is
+        already told)."""
         started = time.perf_counter()
         record.api = api.name
         raw = await read_body(request, self.settings.max_body_bytes, self.settings.client_timeout)
         call = await Call.read(api, raw, request.url.path, self.settings)
         body, prompt, chat = call.body, call.prompt, api.name == "chat"
         record.model, record.stream = call.model, call.stream
-        passed = passed_on(request.headers, bool(self.settings.api_keys))
+        passed = caller.passed
         router = await self.routers.unknown(call.model)
         if router is not None:   # no router serves that model: it says so itself, and nothing is made for it
             return await router_says(router, request.url.path, passed, body, record, self.notify)
         # Who asks: answers are shared (coalescing, the result cache) only within one client and one session.
-        client = client_identity(request.headers, bool(self.settings.api_keys))
-        session = request.headers.get("x-session-id")
+        client, session = caller.identity, caller.session
         sid = self.session_ids.read(session)   # the session it names, lpcache's 32-hex id (None: prefix mode)
         view, listeners = None, []
         if self.prefilters:
             view = ChatRequest(body=dict(body) if chat else {**body, "messages": call.shown},
                                key=prompt.key if prompt else "", model=call.model, stream=call.stream,
-                               text=raw_prefix(call.shown), headers=shown_headers(request.headers),
+                               text=raw_prefix(call.shown), headers=caller.shown,
                                client_key=client, session=session, api=api.name)
             served = await self.prefilter(view, record)
             if served is not None:
@@ -127,7 +127,7 @@ class Pipeline:
             assert relay is not None
             return relay
         record.key, record.n_words, record.big = prompt.key, prompt.n_words, call.big
-        want = await self.session_cache(request, sid, prompt, call.messages, record, len(raw)) if sid else None
+        want = await self.session_cache(caller.owner, sid, prompt, call.messages, record, len(raw)) if sid else None
         if call.big:
             call.send["cache_prompt"] = True
 
@@ -145,8 +145,7 @@ class Pipeline:
                 return FollowerRelay(group, call.stream, record, watch, self.notify, sid)
             record.coalesced = False
             self.coalescer.lead(group, watch)
-        client_auth = client_credential(request.headers, bool(self.settings.api_keys))
-        attempts = Attempts(self.crew, call.send, prompt, call.big, record, client_auth,
+        attempts = Attempts(self.crew, call.send, prompt, call.big, record, caller.credential,
                             view if listeners else None, want)
         attempts.listeners, attempts.group, attempts.path = listeners, group, call.upstream_path()
         try:
@@ -174,7 +173,7 @@ class Pipeline:
                             api.converter(body))
         return JsonRelay(attempts, record, watch, api, body)
 
-    async def session_cache(self, request: Request, sid: str, prompt: Prompt, messages: list[Any],
+    async def session_cache(self, owner: str | None, sid: str, prompt: Prompt, messages: list[Any],
                             record: RequestRecord, size: int) -> Content:
         """Session mode: the request's session (`sid`, read from X-Session-ID by `session_ids`) keys it by route,
         model identity and session. Returns the cache the slot must hold (its file name is
@@ -182,7 +181,6 @@ class Pipeline:
         prompt's compared off the loop)."""
         route = route_name(prompt.model)
         fingerprint = next((fp for b in self.backends if (fp := b.identity(route)) is not None), None)
-        owner = self.owner(request)
         name = session_filename(route, sid, fingerprint, owner)
         record.session = sid
         read = await off_loop(size, self.sessions.read, name, messages)
@@ -198,10 +196,6 @@ class Pipeline:
         """Tell the prefilters that want it what the backend answered, off the request's path."""
         for plugin in listeners:
             self.spawn(prefiltering.quietly(plugin.answered(view, answer), plugin.name))
-
-    def owner(self, request: Request) -> str | None:
-        """Whose sessions a request may use and see: its client key's digest; None without client keys."""
-        return client_identity(request.headers, True) if self.settings.api_keys else None
 
     # ---- plumbing ----
 

@@ -94,3 +94,32 @@ def test_the_kept_answer_is_bounded() -> None:
     unwatched = Attempts(crew, {}, None, False, None, None, None)    # type: ignore[arg-type]
     unwatched.tee(b"x")
     assert unwatched.collected is None
+
+
+def test_the_caller_is_read_once_with_what_each_step_reads_of_the_headers() -> None:
+    """`Caller.of` at the edge: the same identity, credential, headers passed on and shown as the functions each step
+    used to call on the headers, the session as sent; with client keys the key's digest owns the sessions and the
+    key goes nowhere (not to llama-server, not to the plugins)."""
+    from starlette.datastructures import Headers
+
+    from lpcache.guard import Caller
+
+    raw = Headers(raw=[(b"authorization", b"Bearer sk-\xc3\xa9l\xc3\xa8ve"), (b"x-session-id", b"Chat #7 \xe2\x9c\x93"),
+                       (b"x-api-key", b"other"), (b"user-agent", b"OpenAI/Python 1.60"),
+                       (b"X-Session-ID", b"second value")])
+    for keys_held in (False, True):
+        caller = Caller.of(raw, keys_held)
+        assert caller.identity == client_identity(raw, keys_held) is not None
+        assert caller.credential == client_credential(raw, keys_held)
+        assert caller.passed == passed_on(raw, keys_held)
+        assert caller.shown == shown_headers(raw)
+        assert caller.session == raw.get("x-session-id") == "Chat #7 ✓".encode().decode("latin-1"), \
+            "the first X-Session-ID, as Starlette reads it (latin-1; `session_ids` reads it on)"
+        assert "authorization" not in caller.shown and "x-api-key" not in caller.shown
+        if keys_held:
+            assert caller.owner == caller.identity and caller.credential == {}
+            assert not {"authorization", "x-api-key"} & {k.lower() for k in caller.passed}
+        else:
+            sent = "Bearer sk-élève".encode().decode("latin-1")   # as Starlette reads a header: latin-1
+            assert caller.owner is None and caller.credential == {"authorization": sent}
+    assert Caller.of(Headers({}), True) == Caller(None, None, {}, {}, {}, None)
