@@ -32,7 +32,7 @@ aiperf:
 	bash scripts/get-aiperf.sh
 
 demo: setup
-	$(BIN)/python -m lpcache.demo
+	$(BIN)/python -m lpcache.workloads.demo
 
 lint: $(BIN)/lpcache
 	$(BIN)/ruff check lpcache tests bench
@@ -73,8 +73,8 @@ bench-micro: $(BIN)/lpcache redis
 	$(BIN)/python bench/lookup.py
 	$(BIN)/python bench/http_clients.py
 
-# docs/configuration.md is generated from lpcache/config.py (tests/unit/test_docs.py checks it is up to date).
+# docs/configuration.md is generated from lpcache/config/options.py (tests/unit/test_docs.py checks it is up to date).
 .PHONY: docs
 docs: $(BIN)/lpcache
-	$(BIN)/python -m lpcache.config_doc > docs/configuration.md.tmp
+	$(BIN)/python -m lpcache.edge.config_page > docs/configuration.md.tmp
 	mv docs/configuration.md.tmp docs/configuration.md

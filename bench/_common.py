@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Protocol
 
 from lpcache.config import OPTIONS
-from lpcache.testing import LlamaServer
+from lpcache.workloads.harness import LlamaServer
 
 
 def percentile(values: Sequence[float], q: float) -> float:

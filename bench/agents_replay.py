@@ -1,4 +1,5 @@
-"""Send agent sessions (`lpcache.agents`) to a server through the Responses and Messages APIs, and measure them.
+"""Send agent sessions (`lpcache.workloads.agents`) to a server through the Responses and Messages APIs, and measure
+them.
 
 Each session is an agent's tool loop: its next request is sent when the answer to the previous one has ended
 (zero tool time), and `concurrency` requests are in flight at most. Sessions take turns: a queue holds the sessions
@@ -30,8 +31,8 @@ from typing import Any
 
 import httpx
 
-from lpcache.agents import API_PATHS, Session
-from lpcache.workload import ideal_of
+from lpcache.workloads.agents import API_PATHS, Session
+from lpcache.workloads.story import ideal_of
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import percentile  # noqa: E402

@@ -1,13 +1,12 @@
 """The `agents` scenario of bench/scenarios.py: coding-agent sessions through the Responses and Messages APIs.
 
-The workload is `lpcache.agents.sessions`: N sessions (default 4) on one harness (a system prompt and eight tool
-schemas), each a task and S tool exchanges (default 8), so S + 1 requests, `concurrency` requests at a time (default
-2), the sessions taking turns (bench/agents_replay.py). It runs once per route (`--agent-routes`): all sessions
+The workload is `lpcache.workloads.agents.sessions`: N sessions (default 4) on one harness (a system prompt and eight
+tool schemas), each a task and S tool exchanges (default 8), so S + 1 requests, `concurrency` requests at a time
+(default 2), the sessions taking turns (bench/agents_replay.py). It runs once per route (`--agent-routes`): all sessions
 through `POST /v1/responses` (Codex-style), then all through `POST /v1/messages` (Claude-Code-style), as one agent
-program speaks one API; `mixed` sends the even sessions through Responses and the odd ones through Messages (one
-harness reaching the server through both APIs). One llama-server (build 11434, SmolLM2-135M,
-`-np 2`, a context that holds the longest prompt in each slot, `--slot-save-path`, `--metrics`), fresh for every
-run:
+program speaks one API; `mixed` sends the even sessions through Responses and the odd ones through Messages (one harness
+reaching the server through both APIs). One llama-server (build 11434, SmolLM2-135M, `-np 2`, a context that holds the
+longest prompt in each slot, `--slot-save-path`, `--metrics`), fresh for every run:
 
     llama-server alone, --cache-ram 0
     llama-server alone, its default --cache-ram (8 GiB)
@@ -39,9 +38,9 @@ from _common import stop_run, table
 from agents_replay import prompt_tokens, rows_json, run_sessions, summarise
 from aiperf_scenario import computed_tokens, lpcache_counts
 
-from lpcache.agents import APIS, Session, sessions
-from lpcache.testing import REPO, LlamaServer, LpcacheProcess
-from lpcache.workload import shared
+from lpcache.workloads.agents import APIS, Session, sessions
+from lpcache.workloads.harness import REPO, LlamaServer, LpcacheProcess
+from lpcache.workloads.story import shared
 
 START, END = "<!-- agents:start -->", "<!-- agents:end -->"
 RESULTS = REPO / "bench" / "results" / "agents.json"
@@ -202,7 +201,8 @@ def markdown(report: dict[str, Any], machine: str, minutes: float) -> str:
     lines = [
         START, "", "## Agent sessions through the Responses and Messages APIs (`bench/scenarios.py --only agents`)",
         "", f"{machine}. Whole run: {minutes:.0f} minutes.", "",
-        f"Workload (`lpcache.agents`): {st['sessions']} coding-agent sessions sharing one harness, a system prompt "
+        f"Workload (`lpcache.workloads.agents`): {st['sessions']} coding-agent sessions sharing one harness, a system "
+        "prompt "
         f"and eight tool schemas (read_file, write_file, apply_patch, run_shell, search_code, list_dir, glob_files, "
         f"todo_write). Each session is a task and {st['steps']} tool exchanges, so {st['steps'] + 1} requests, "
         f"{requests} in all: each request is the previous one plus a scripted tool call and its result (numbered "

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from lpcache.workload import prompt_tokens, shared
+from lpcache.workloads.story import prompt_tokens, shared
 
 
 @dataclass

@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import llama_machine_text, replace_section, stop_run, table  # noqa: E402
 from replay import metric  # noqa: E402
 
-from lpcache.testing import REPO, LlamaServer, LpcacheProcess, llama_paths, script_paths  # noqa: E402
+from lpcache.workloads.harness import REPO, LlamaServer, LpcacheProcess, llama_paths, script_paths  # noqa: E402
 
 DOC = REPO / "docs" / "benchmarks.md"
 RESULTS = REPO / "bench" / "results" / "aiperf.json"
@@ -148,7 +148,7 @@ def computed_tokens(llama_url: str) -> int:
 
 
 def lpcache_counts(url: str) -> dict[str, int]:
-    """lpcache's restores and saves so far (its own /metrics; names as lpcache/metrics.py has them)."""
+    """lpcache's restores and saves so far (its own /metrics; names as lpcache/edge/metrics.py has them)."""
     try:
         text = scrape(url)
     except OSError:

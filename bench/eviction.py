@@ -1,4 +1,4 @@
-"""Replacement policies for the saved caches, simulated: LRU against `lpcache.eviction`'s predicted next use.
+"""Replacement policies for the saved caches, simulated: LRU against `lpcache.cache.eviction`'s predicted next use.
 
 A trace is a sequence of uses of conversations. A use restores the conversation's saved file if it is still kept
 (a hit), else it is a miss; then the conversation's new file is saved (the next turn), which supersedes the old
@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 import orjson
 
-from lpcache.eviction import UsageTable, lru_victims, victims
+from lpcache.cache.eviction import UsageTable, lru_victims, victims
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import machine, machine_line, median, percentile, table  # noqa: E402

@@ -30,7 +30,7 @@ import aiohttp
 import httpx
 import orjson
 
-from lpcache.testing import free_port, story, wait_healthy
+from lpcache.workloads.harness import free_port, story, wait_healthy
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import machine, machine_line, median, percentile, table  # noqa: E402

@@ -5,7 +5,7 @@ Entries look like real saves with WORDS_PER_BLOCK=100, as lpcache writes them (a
 model's fingerprint; here the exact chain is the word chain, which costs the same to look up): 10 to 40 blocks each;
 every entry starts with one of 5 shared "system prompts" (2 to 6 blocks); entries come in conversations of 3 that
 share a few more blocks after the system prompt, then diverge. Block hashes are SHA-256 hex digests and chains are
-computed by `lpcache.prefix.chain`, as for real prompts.
+computed by `lpcache.cache.prefix.chain`, as for real prompts.
 
 Lookups are timed one by one (`time.perf_counter_ns`) for prompts that
   hit:    extend an entry (its whole chain, then 2 new blocks): the deepest level holds one entry;
@@ -32,9 +32,10 @@ from collections.abc import Callable
 
 import orjson
 
-from lpcache.index import Candidate, MetaEntry, MetaIndex
-from lpcache.prefix import Prompt, block_hashes, cache_key, chain, raw_prefix, words
-from lpcache.testing import story
+from lpcache.cache.index import MetaIndex
+from lpcache.cache.meta_files import Candidate, MetaEntry
+from lpcache.cache.prefix import Prompt, block_hashes, cache_key, chain, raw_prefix, words
+from lpcache.workloads.harness import story
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import machine, machine_line, median, percentile, table  # noqa: E402

@@ -42,7 +42,7 @@ from typing import Any
 import orjson
 
 from lpcache.mock_llama import MockConfig, start_mock
-from lpcache.testing import LpcacheProcess, RedisServer, remove_tree, story
+from lpcache.workloads.harness import LpcacheProcess, RedisServer, remove_tree, story
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import machine, machine_line, median, percentile, redis_commands, table  # noqa: E402

@@ -1,9 +1,9 @@
 """Replay a seeded, realistic multi-user workload against any OpenAI-compatible URL, and measure it.
 
 Several users each write one growing story; each story gets several kinds of work (generation, annotation, redraft,
-summary), as `lpcache.workload.turns` builds them, round by round. The requests of one round may run concurrently,
-the rounds run in order, and a command (or a Python callable) may run between rounds, for example to restart
-llama-server; the replay then waits until the URL answers `/health` again.
+summary), as `lpcache.workloads.story.turns` builds them, round by round. The requests of one round may run
+concurrently, the rounds run in order, and a command (or a Python callable) may run between rounds, for example to
+restart llama-server; the replay then waits until the URL answers `/health` again.
 
 For each request it records the prompt tokens (`timings.prompt_n + cache_n`), the tokens computed (`prompt_n`) and
 taken from the cache (`cache_n`), the time to the first token (streams: to the first content delta; JSON: the whole
@@ -40,7 +40,7 @@ from typing import IO, Any
 
 import httpx
 
-from lpcache.workload import KINDS, Turn, ideal_of, tokenize_all, turns
+from lpcache.workloads.story import KINDS, Turn, ideal_of, tokenize_all, turns
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import percentile, table  # noqa: E402

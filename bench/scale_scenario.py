@@ -1,6 +1,6 @@
 """The `scale` scenario of bench/scenarios.py: lpcache replicas sharing one Redis, in front of two llama-servers.
 
-The workload is the story workload of the other scenarios (`lpcache.workload.turns`), sent `--scale-concurrency`
+The workload is the story workload of the other scenarios (`lpcache.workloads.story.turns`), sent `--scale-concurrency`
 requests at a time (default 2), round by round (bench/replay.py). The same two llama-servers (build 11434,
 SmolLM2-135M, `-np 2 --cache-ram 0`, each its own slot-save folder, `--metrics`) serve every run; between runs they
 are restarted on their ports with their folders emptied, so every run starts from nothing:
@@ -42,8 +42,8 @@ import httpx
 from _common import Servers, redis_commands, table
 from replay import metric, replay
 
-from lpcache.testing import REPO, LpcacheProcess, RedisServer
-from lpcache.workload import KINDS, Turn, turns
+from lpcache.workloads.harness import REPO, LpcacheProcess, RedisServer
+from lpcache.workloads.story import KINDS, Turn, turns
 
 START, END = "<!-- scale:start -->", "<!-- scale:end -->"
 RESULTS = REPO / "bench" / "results" / "scale.json"

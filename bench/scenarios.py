@@ -1,7 +1,7 @@
 """Where lpcache saves prefill: every scenario against llama-server alone and behind lpcache, on a real llama-server.
 
-The workload is `lpcache.workload.turns`: users each writing one growing story, each story getting several kinds of
-work (generation, annotation, redraft), round by round, as `bench/replay.py` sends and measures it. Each scenario
+The workload is `lpcache.workloads.story.turns`: users each writing one growing story, each story getting several kinds
+of work (generation, annotation, redraft), round by round, as `bench/replay.py` sends and measures it. Each scenario
 starts its own llama-server(s) (build 11434, SmolLM2-135M, `--metrics`) and, for the lpcache runs, lpcache as a user
 starts it (`python -m lpcache` with its settings in the environment), then replays the same workload:
 
@@ -47,8 +47,8 @@ import scale_scenario  # noqa: E402
 from _common import Servers, llama_machine_text, replace_section, table  # noqa: E402
 from replay import replay  # noqa: E402
 
-from lpcache.testing import REPO, LpcacheProcess, llama_paths  # noqa: E402
-from lpcache.workload import Turn, turns  # noqa: E402
+from lpcache.workloads.harness import REPO, LpcacheProcess, llama_paths  # noqa: E402
+from lpcache.workloads.story import Turn, turns  # noqa: E402
 
 DOC = REPO / "docs" / "benchmarks.md"
 PLOT = REPO / "docs" / "bench-scenarios.png"

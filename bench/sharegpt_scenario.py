@@ -97,8 +97,8 @@ from replay import samples  # noqa: E402
 
 from lpcache.config import OPTIONS  # noqa: E402
 from lpcache.mock_llama.tokens import render_chat, tokenize  # noqa: E402
-from lpcache.testing import REPO, LlamaServer, LpcacheProcess, MockProcess, llama_paths  # noqa: E402
-from lpcache.workload import prompt_tokens  # noqa: E402
+from lpcache.workloads.harness import REPO, LlamaServer, LpcacheProcess, MockProcess, llama_paths  # noqa: E402
+from lpcache.workloads.story import prompt_tokens  # noqa: E402
 
 DOC = REPO / "docs" / "benchmarks.md"
 RESULTS = REPO / "bench" / "results" / "sharegpt.json"
@@ -352,7 +352,8 @@ def commit_of() -> str:
 
 
 def lpcache_source() -> str:
-    """Which lpcache the runs start: `python -m lpcache` of this interpreter, the checkout's (lpcache.testing's
+    """Which lpcache the runs start: `python -m lpcache` of this interpreter, the checkout's
+    (lpcache.workloads.harness's
     REPO), at its commit."""
     return f"{REPO} at {commit_of()}"
 

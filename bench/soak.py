@@ -1,8 +1,8 @@
-"""The acceptance soak of issue 11: N chat requests (5,000) at concurrency 32 through lpcache, as a process of its
-own (`python -m lpcache`), in front of two stand-in llama-servers (processes too) whose faults are re-armed at random
-all along: 5xx, error/answer/`/slots`/`/props`/`/health`/save bodies cut or stalled, dropped connections, stalls,
-hangs, broken streams, failed saves. Coalescing and the result cache are on, with two client keys: identical bodies
-go at once from both keys, and some clients leave (leaders of coalesced groups among them). See `lpcache.soak`.
+"""The acceptance soak of issue 11: N chat requests (5,000) at concurrency 32 through lpcache, as a process of its own
+(`python -m lpcache`), in front of two stand-in llama-servers (processes too) whose faults are re-armed at random all
+along: 5xx, error/answer/`/slots`/`/props`/`/health`/save bodies cut or stalled, dropped connections, stalls, hangs,
+broken streams, failed saves. Coalescing and the result cache are on, with two client keys: identical bodies go at once
+from both keys, and some clients leave (leaders of coalesced groups among them). See `lpcache.workloads.soak`.
 
 Prints: the outcomes, lpcache's own 500s, answers made for one key seen by the other, bad answers, records (request
 log lines) against requests, busy slots and waiters at the end (GET /health), and lpcache's resident memory (VmRSS)
@@ -21,8 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-from lpcache.soak import KEYS, Soak, plan, wait_free
-from lpcache.testing import LpcacheProcess, MockProcess, remove_tree, scratch_dir
+from lpcache.workloads.harness import LpcacheProcess, MockProcess, remove_tree, scratch_dir
+from lpcache.workloads.soak import KEYS, Soak, plan, wait_free
 
 RSS_LIMIT_MB = 20.0
 

@@ -113,3 +113,7 @@ class BackendError(ProxyError):
         if self.raw is not None:
             return self.raw, self.content_type
         return super().payload()
+
+
+class PluginError(LpcacheError):
+    """A plugin spec that cannot be used: unknown name, bad parameter. Stops start-up with exit status 2."""

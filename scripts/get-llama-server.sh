@@ -4,7 +4,7 @@
 # Everything is cached outside the checkout, under $LPCACHE_CACHE (default ~/.cache/lpcache), keyed by version,
 # so a second run (and CI on the same machine) takes seconds. Prints the three paths as shell assignments:
 #   LLAMA_SERVER_BIN=...   SMOLLM2_GGUF=...   GEMMA3_GGUF=...
-# Run the binary with its folder on LD_LIBRARY_PATH (lpcache.testing.LlamaServer does).
+# Run the binary with its folder on LD_LIBRARY_PATH (lpcache.workloads.harness.LlamaServer does).
 set -euo pipefail
 
 LLAMA_BUILD=11434

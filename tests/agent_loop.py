@@ -8,7 +8,7 @@ import json
 import random
 from typing import Any
 
-from lpcache import chats
+from lpcache.workloads import chats
 
 MAX_TOKENS = 12
 

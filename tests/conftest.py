@@ -15,11 +15,11 @@ from typing import Any
 import httpx
 import pytest
 
-from lpcache.app import create_app
 from lpcache.config import Settings
-from lpcache.edge import server_options
-from lpcache.pipeline import Pipeline
-from lpcache.testing import RedisServer, ServerThread
+from lpcache.edge.app import create_app
+from lpcache.edge.http import server_options
+from lpcache.flow.pipeline import Pipeline
+from lpcache.workloads.harness import RedisServer, ServerThread
 
 
 class Proxy:

@@ -11,7 +11,7 @@ import re
 from types import SimpleNamespace
 from unittest.mock import MagicMock
 
-from lpcache.metrics import Metrics
+from lpcache.edge.metrics import Metrics
 
 TYPE_LINE = re.compile(r"^# TYPE (\S+) (\S+)$", re.MULTILINE)
 SAMPLE_SUFFIXES = {"histogram": ("_bucket", "_sum", "_count"), "summary": ("_sum", "_count", "")}

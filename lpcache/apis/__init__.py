@@ -10,12 +10,12 @@ pin goes, how the answer reports its tokens and how errors look (`base.Api`).
 
 from __future__ import annotations
 
-from .base import Api, Call
-from .chat import ChatApi
-from .completions import CompletionsApi
-from .infill import InfillApi
-from .messages import MessagesApi
-from .responses import ResponsesApi
+from lpcache.apis.base import Api, Call
+from lpcache.apis.chat import ChatApi
+from lpcache.apis.completions import CompletionsApi
+from lpcache.apis.infill import InfillApi
+from lpcache.apis.messages import MessagesApi
+from lpcache.apis.responses import ResponsesApi
 
 APIS: tuple[Api, ...] = (ChatApi(), ResponsesApi(), MessagesApi(), CompletionsApi(), InfillApi())
 BY_PATH: dict[str, Api] = {path: api for api in APIS for path in api.paths}

@@ -22,8 +22,8 @@ from typing import Any, NamedTuple
 
 import orjson
 
-from ..errors import BadRequest
-from .llama_json import dumps
+from lpcache.apis.llama_json import dumps
+from lpcache.errors import BadRequest
 
 _BILLING = "x-anthropic-billing-header:"
 _PASSED = ("temperature", "top_p", "top_k", "stream", "chat_template_kwargs")

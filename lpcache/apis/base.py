@@ -22,9 +22,9 @@ from typing import Any, ClassVar, Protocol, TypeVar
 
 import orjson
 
-from ..config import Settings
-from ..errors import BadRequest, ProxyError
-from ..prefix import Prompt, cache_key
+from lpcache.cache.prefix import Prompt, cache_key
+from lpcache.config import Settings
+from lpcache.errors import BadRequest, ProxyError
 
 OFF_LOOP_BYTES = 64 * 1024   # about 10 ms of parsing: below it a thread hop costs more than it spares
 

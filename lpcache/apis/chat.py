@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import BadRequest
-from ..identity import template_fields
-from .base import Api, View
+from lpcache.apis.base import Api, View
+from lpcache.cache.identity import template_fields
+from lpcache.errors import BadRequest
 
 
 def check_messages(messages: Any, field: str = "messages") -> None:

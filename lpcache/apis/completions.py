@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import BadRequest
-from .base import Api, View
+from lpcache.apis.base import Api, View
+from lpcache.errors import BadRequest
 
 
 def _token_ids(prompt: Any) -> bool:

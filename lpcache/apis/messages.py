@@ -16,12 +16,12 @@ from typing import Any
 
 import orjson
 
-from ..errors import ProxyError
-from ..identity import template_fields
-from . import anthropic
-from .base import Api, Converter, View
-from .chat import check_messages
-from .llama_json import dumps
+from lpcache.apis import anthropic
+from lpcache.apis.base import Api, Converter, View
+from lpcache.apis.chat import check_messages
+from lpcache.apis.llama_json import dumps
+from lpcache.cache.identity import template_fields
+from lpcache.errors import ProxyError
 
 
 class MessagesApi(Api):

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import BadRequest
-from ..identity import template_fields
-from .base import Api, View
-from .llama_json import json_value
+from lpcache.apis.base import Api, View
+from lpcache.apis.llama_json import json_value
+from lpcache.cache.identity import template_fields
+from lpcache.errors import BadRequest
 
 
 class Unconvertible(ValueError):

@@ -11,12 +11,12 @@ Enable it in LiteLLM's config.yaml, on the routes that go to a llama-server:
     litellm_settings:
       callbacks: lpcache.integrations.litellm.proxy_handler_instance
 
-A request with an `X-Session-ID` on such a route (32 lower-case hex digits as they are, other text hashed to that
-form, a value that cannot be a session warned about once and ignored: `lpcache.session_ids`, as in lpcache) gets
-its session's cache in the slot before LiteLLM sends it: the slot's previous session is saved under its own name
-(when it changed), the new one's file restored (no file yet: the slot is left as it is, the request reads its
-prompt). This is the same swap code lpcache's own session mode uses (`lpcache.swap`); file names, limits and log
-lines are the same.
+A request with an `X-Session-ID` on such a route (32 lower-case hex digits as they are, other text hashed to that form,
+a value that cannot be a session warned about once and ignored: `lpcache.cache.session_ids`, as in lpcache) gets its
+session's cache in the slot before LiteLLM sends it: the slot's previous session is saved under its own name (when it
+changed), the new one's file restored (no file yet: the slot is left as it is, the request reads its prompt). This is
+the same swap code lpcache's own session mode uses (`lpcache.backends.swap`); file names, limits and log lines are the
+same.
 
 - The route is LiteLLM's model group (with the wildcard, the model the client asked for) without `openai/`; files
   are `<route tag>_<session>.bin`, so two routes never share one.
@@ -51,14 +51,14 @@ from typing import Any
 
 import aiohttp
 
-from .. import swap
-from ..backends import model_fingerprint, router_model_fingerprint
-from ..cache_files import Limits
-from ..errors import ProxyError
-from ..llama import LlamaClient, client_session
-from ..session_ids import SessionIds
-from ..sessions import SessionBook, route_name, route_tag, session_filename
-from ..slots import Content
+from lpcache.backends import swap
+from lpcache.backends.backend import model_fingerprint, router_model_fingerprint
+from lpcache.backends.llama import LlamaClient, client_session
+from lpcache.backends.slots import Content
+from lpcache.cache.cache_files import Limits
+from lpcache.cache.session_ids import SessionIds
+from lpcache.cache.sessions import SessionBook, route_name, route_tag, session_filename
+from lpcache.errors import ProxyError
 
 try:  # LiteLLM's base class, when LiteLLM is installed (the hook runs inside its proxy)
     from litellm.integrations.custom_logger import CustomLogger

@@ -8,10 +8,10 @@ inject faults. Run it with ``python -m lpcache.mock_llama PORT MODEL [options]``
 one child per model, loaded on demand (see ``router``).
 """
 
-from .config import MockConfig
-from .faults import Faults
-from .runner import MockHandle, start_mock
-from .server import create_app
-from .state import MockState, Stats
+from lpcache.mock_llama.config import MockConfig
+from lpcache.mock_llama.faults import Faults
+from lpcache.mock_llama.runner import MockHandle, start_mock
+from lpcache.mock_llama.server import create_app
+from lpcache.mock_llama.state import MockState, Stats
 
 __all__ = ["Faults", "MockConfig", "MockHandle", "MockState", "Stats", "create_app", "start_mock"]

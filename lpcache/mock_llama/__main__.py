@@ -12,8 +12,8 @@ from collections.abc import Sequence
 import orjson
 import uvicorn
 
-from .config import MockConfig
-from .server import create_app
+from lpcache.mock_llama.config import MockConfig
+from lpcache.mock_llama.server import create_app
 
 
 def build_parser() -> argparse.ArgumentParser:

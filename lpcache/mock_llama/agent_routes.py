@@ -14,14 +14,14 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from .agent_shapes import AnthropicShape, ResponsesShape
-from .api import ApiError, read_json, state_of
-from .convert import anthropic_to_chat, responses_to_chat, value
-from .errors import json_response
-from .inference import mixed_tokens, render_messages, run_task, task_params
-from .shapes import NativeShape
-from .state import MockState
-from .tokens import tokenize
+from lpcache.mock_llama.agent_shapes import AnthropicShape, ResponsesShape
+from lpcache.mock_llama.api import ApiError, read_json, state_of
+from lpcache.mock_llama.convert import anthropic_to_chat, responses_to_chat, value
+from lpcache.mock_llama.errors import json_response
+from lpcache.mock_llama.inference import mixed_tokens, render_messages, run_task, task_params
+from lpcache.mock_llama.shapes import NativeShape
+from lpcache.mock_llama.state import MockState
+from lpcache.mock_llama.tokens import tokenize
 
 # The stand-in imitates a model with repository-level FIM tokens (as Qwen2.5-Coder's); each is one token.
 FIM_PRE, FIM_SUF, FIM_MID = "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"

@@ -17,8 +17,8 @@ from typing import Any
 
 import orjson
 
-from .engine import Generation
-from .shapes import Shape, answer_text, piece_text
+from lpcache.mock_llama.engine import Generation
+from lpcache.mock_llama.shapes import Shape, answer_text, piece_text
 
 ANTHROPIC_STOP_REASON = "max_tokens"  # the fake model never stops on its own (shapes.FINISH_REASON)
 ALPHANUMERIC = string.ascii_letters + string.digits

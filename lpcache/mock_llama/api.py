@@ -7,7 +7,7 @@ from typing import Any
 import orjson
 from starlette.requests import Request
 
-from .state import MockState
+from lpcache.mock_llama.state import MockState
 
 
 class ApiError(Exception):

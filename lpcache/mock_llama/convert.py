@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..apis.llama_json import json_value as value
-from ..apis.responses import Unconvertible, to_chat
-from .api import ApiError
+from lpcache.apis.llama_json import json_value as value
+from lpcache.apis.responses import Unconvertible, to_chat
+from lpcache.mock_llama.api import ApiError
 
 DEFAULT_ANTHROPIC_MAX_TOKENS = 4096  # what llama-server sets when an Anthropic body has no max_tokens
 ANTHROPIC_PASSED_ON = ("temperature", "top_p", "top_k", "stream", "chat_template_kwargs")

@@ -14,9 +14,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from .slots import Slot, TaskInfo
-from .state import MockState
-from .tokens import lcp, reply_stream
+from lpcache.mock_llama.slots import Slot, TaskInfo
+from lpcache.mock_llama.state import MockState
+from lpcache.mock_llama.tokens import lcp, reply_stream
 
 
 @dataclass

@@ -18,7 +18,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .errors import error_response
+from lpcache.mock_llama.errors import error_response
 
 INFERENCE_PATHS = ("/v1/chat/completions", "/chat/completions", "/completion", "/completions", "/v1/completions")
 TRANSPORT_KEY = "lpcache.mock.transport"

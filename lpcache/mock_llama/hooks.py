@@ -14,9 +14,9 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from .api import ApiError, read_json, state_of
-from .errors import json_response
-from .state import MockState, Stats
+from lpcache.mock_llama.api import ApiError, read_json, state_of
+from lpcache.mock_llama.errors import json_response
+from lpcache.mock_llama.state import MockState, Stats
 
 
 def children(request: Request) -> dict[str, MockState]:

@@ -11,14 +11,14 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from .api import ApiError, body_int, read_json, state_of
-from .engine import Generation, TaskParams
-from .errors import json_response
-from .faults import cut_connection, wait_disconnect
-from .shapes import ChatShape, NativeShape, Shape, TextCompletionShape
-from .slots import wrap_slot_id
-from .state import MockState
-from .tokens import render_chat, tokenize
+from lpcache.mock_llama.api import ApiError, body_int, read_json, state_of
+from lpcache.mock_llama.engine import Generation, TaskParams
+from lpcache.mock_llama.errors import json_response
+from lpcache.mock_llama.faults import cut_connection, wait_disconnect
+from lpcache.mock_llama.shapes import ChatShape, NativeShape, Shape, TextCompletionShape
+from lpcache.mock_llama.slots import wrap_slot_id
+from lpcache.mock_llama.state import MockState
+from lpcache.mock_llama.tokens import render_chat, tokenize
 
 
 class SlotStreamingResponse(StreamingResponse):

@@ -11,9 +11,9 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from .api import state_of
-from .config import MockConfig
-from .errors import json_response
+from lpcache.mock_llama.api import state_of
+from lpcache.mock_llama.config import MockConfig
+from lpcache.mock_llama.errors import json_response
 
 
 def model_meta(config: MockConfig) -> dict[str, Any]:

@@ -21,10 +21,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from .api import CHILD_KEY, ApiError, read_json
-from .errors import json_response
-from .info import model_meta
-from .state import MockState, Stats
+from lpcache.mock_llama.api import CHILD_KEY, ApiError, read_json
+from lpcache.mock_llama.errors import json_response
+from lpcache.mock_llama.info import model_meta
+from lpcache.mock_llama.state import MockState, Stats
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 

@@ -9,9 +9,9 @@ from types import TracebackType
 
 import uvicorn
 
-from .config import MockConfig
-from .server import create_app
-from .state import MockState
+from lpcache.mock_llama.config import MockConfig
+from lpcache.mock_llama.server import create_app
+from lpcache.mock_llama.state import MockState
 
 START_TIMEOUT_S = 10.0
 

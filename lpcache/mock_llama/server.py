@@ -15,13 +15,13 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from . import agent_routes, hooks, inference, info, slot_api
-from .api import ApiError
-from .config import MockConfig
-from .errors import error_response
-from .faults import FaultMiddleware, capture_transport
-from .router import Endpoint, Router, load_model, proxied, router_models, router_props, unload_model
-from .state import MockState
+from lpcache.mock_llama import agent_routes, hooks, inference, info, slot_api
+from lpcache.mock_llama.api import ApiError
+from lpcache.mock_llama.config import MockConfig
+from lpcache.mock_llama.errors import error_response
+from lpcache.mock_llama.faults import FaultMiddleware, capture_transport
+from lpcache.mock_llama.router import Endpoint, Router, load_model, proxied, router_models, router_props, unload_model
+from lpcache.mock_llama.state import MockState
 
 PUBLIC_PATHS = ("/health", "/v1/health")
 HOOK_PREFIX = "/mock/"

@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 
-from .engine import Generation
+from lpcache.mock_llama.engine import Generation
 
 FINISH_REASON = "length"  # the fake model never emits an end-of-generation token
 

@@ -15,11 +15,11 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from . import slotfile
-from .api import ApiError, read_json, state_of
-from .errors import error_response, json_response
-from .slots import Slot, wrap_slot_id
-from .state import MockState
+from lpcache.mock_llama import slotfile
+from lpcache.mock_llama.api import ApiError, read_json, state_of
+from lpcache.mock_llama.errors import error_response, json_response
+from lpcache.mock_llama.slots import Slot, wrap_slot_id
+from lpcache.mock_llama.state import MockState
 
 _STOI = re.compile(r"\s*[+-]?\d+")
 _INT_MAX = 2**31 - 1

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .tokens import lcp
+from lpcache.mock_llama.tokens import lcp
 
 SIMILARITY_THRESHOLD = 0.1  # llama-server's default --slot-prompt-similarity
 

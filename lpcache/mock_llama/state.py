@@ -7,13 +7,13 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from .config import MockConfig
-from .faults import Faults
-from .slots import SlotPool
-from .tokens import Vocab
+from lpcache.mock_llama.config import MockConfig
+from lpcache.mock_llama.faults import Faults
+from lpcache.mock_llama.slots import SlotPool
+from lpcache.mock_llama.tokens import Vocab
 
 if TYPE_CHECKING:
-    from .router import Router
+    from lpcache.mock_llama.router import Router
 
 
 @dataclass

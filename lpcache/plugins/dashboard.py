@@ -13,7 +13,7 @@ Every finished request reaches `finished()` once with its `RequestRecord`; the p
 stats API, see `excluded_paths()`) are left out, so polling never inflates the statistics. Buckets are kept for the
 longest range a page can ask for, `KEEP_SECS`; lifetime counters are never pruned. With a history file
 (`dashboard_history`), all of it outlives a restart. With client keys, a browser gets in through lpcache's login
-form (`lpcache.browser_login`): `browser_paths()` names the page and its data.
+form (`lpcache.edge.browser_login`): `browser_paths()` names the page and its data.
 """
 
 from __future__ import annotations
@@ -37,12 +37,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from ..errors import BadRequest
-from . import dashboard_history
-from .base import Observer, PluginError, Routes, param
-from .dashboard_history import COARSE, FINE, History
-from .dashboard_stats import MAX_BACKENDS, OTHER, Counts, _int, _num, outcome
-from .dashboard_timeline import BLOCK, KEEP_SECS, MAX_POINTS, Timeline
+from lpcache.errors import BadRequest
+from lpcache.plugins import dashboard_history
+from lpcache.plugins.base import Observer, PluginError, Routes, param
+from lpcache.plugins.dashboard_history import COARSE, FINE, History
+from lpcache.plugins.dashboard_stats import MAX_BACKENDS, OTHER, Counts, _int, _num, outcome
+from lpcache.plugins.dashboard_timeline import BLOCK, KEEP_SECS, MAX_POINTS, Timeline
 
 log = logging.getLogger("lpcache.dashboard")
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 
-from .dashboard_stats import Counts, _num
+from lpcache.plugins.dashboard_stats import Counts, _num
 
 log = logging.getLogger("lpcache.dashboard")
 

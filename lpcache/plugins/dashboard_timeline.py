@@ -12,7 +12,7 @@ import math
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from .dashboard_stats import Counts
+from lpcache.plugins.dashboard_stats import Counts
 
 MAX_POINTS = 360          # at most this many points in a range's series
 KEEP_SECS = 86400         # buckets older than this are dropped (the longest range the page asks for)

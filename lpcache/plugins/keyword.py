@@ -7,7 +7,7 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
-from .base import ChatRequest, PluginError, Prefilter, Reject, Verdict, param
+from lpcache.plugins.base import ChatRequest, PluginError, Prefilter, Reject, Verdict, param
 
 REJECT_MESSAGE = "request rejected: the message contents contain a blocked keyword"
 

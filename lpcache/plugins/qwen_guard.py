@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import orjson
 
-from .base import ChatRequest, PluginError, Prefilter, Reject, Verdict, param
+from lpcache.plugins.base import ChatRequest, PluginError, Prefilter, Reject, Verdict, param
 
 log = logging.getLogger("lpcache.plugins.qwen_guard")
 

@@ -14,10 +14,9 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any
 
-from .base import Factory, Observer, Plugin, PluginError, Prefilter, Routes
+from lpcache.plugins.base import Factory, Observer, Plugin, PluginError, Prefilter, Routes
 
 ENTRY_POINT_GROUP = "lpcache.plugins"
-CLIENT_GROUP = "lpcache.backend_clients"   # classes built like lpcache.llama.LlamaClient, named in BACKENDS "client"
 
 BUILTINS = {
     "keyword": "lpcache.plugins.keyword:KeywordPrefilter",
@@ -113,20 +112,3 @@ def _flatten(specs: Iterable[Mapping[str, Any]], available: Mapping[str, Any]) -
         if not plugin.name:
             plugin.name = name  # type: ignore[misc]
         yield plugin
-
-
-def backend_client(name: str) -> Any:
-    """The backend-client plugin of that name: the built-in `llama` (lpcache.llama.LlamaClient), or one installed
-    under the `lpcache.backend_clients` entry-point group, built as `Client(url, session, api_key=, timeout=)` and
-    offering the same methods (chat, slot_action, get_json, total_slots, forward)."""
-    if name == "llama":
-        from ..llama import LlamaClient
-
-        return LlamaClient
-    for ep in entry_points(group=CLIENT_GROUP):
-        if ep.name == name:
-            try:
-                return ep.load()
-            except (ImportError, AttributeError) as e:
-                raise PluginError(f"backend client {name!r} cannot be loaded: {e}") from e
-    raise PluginError(f"unknown backend client {name!r} (known: llama, and the {CLIENT_GROUP} entry points)")

@@ -20,9 +20,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ..record import RequestRecord
-from ..version import __version__
-from .base import Observer, PluginError
+from lpcache.config.version import __version__
+from lpcache.flow.record import RequestRecord
+from lpcache.plugins.base import Observer, PluginError
 
 log = logging.getLogger("lpcache.request_log")
 

@@ -30,9 +30,9 @@ from typing import Any, ClassVar
 
 import orjson
 
-from ..coalesce import completion_to_sse
-from ..index import write_atomic
-from .base import Answer, ChatRequest, PluginError, PostCleanup, Prefilter, Serve, Verdict, param
+from lpcache.cache.meta_files import write_atomic
+from lpcache.flow.coalesce import completion_to_sse
+from lpcache.plugins.base import Answer, ChatRequest, PluginError, PostCleanup, Prefilter, Serve, Verdict, param
 
 log = logging.getLogger("lpcache.plugins.result_cache")
 
@@ -140,7 +140,7 @@ class ResultCachePrefilter(Prefilter):
 
     async def start(self) -> None:
         if self.redis_url:
-            from ..shared_map import connect  # redis-py only when asked for
+            from lpcache.fleet.shared_map import connect  # redis-py only when asked for
 
             self.redis = connect(self.redis_url)
             return

@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from lpcache.testing import REPO, _Process, remove_tree, scratch_dir, script_paths, wait_healthy
+from lpcache.workloads.harness import REPO, _Process, remove_tree, scratch_dir, script_paths, wait_healthy
 
 GET_LITELLM = REPO / "scripts" / "get-litellm.sh"
 

@@ -25,9 +25,9 @@ import httpx
 import openai
 import pytest
 
-from lpcache import chats
 from lpcache.config import BackendConfig, Settings
-from lpcache.testing import LlamaServer, fim_model_path
+from lpcache.workloads import chats
+from lpcache.workloads.harness import LlamaServer, fim_model_path
 
 from ..agent_loop import AgentLoop
 from ..conftest import Proxy, figures

@@ -25,7 +25,7 @@ import pytest
 
 from lpcache.apis.anthropic import MessagesStream, answer, chat_request
 from lpcache.apis.llama_json import dumps
-from lpcache.testing import LlamaServer
+from lpcache.workloads.harness import LlamaServer
 
 from ..anthropic_events import events
 

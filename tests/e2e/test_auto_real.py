@@ -14,10 +14,10 @@ from typing import Any
 import httpx
 import pytest
 
-from lpcache import chats
+from lpcache.cache.server_cache import RAM_TRUST
 from lpcache.config import BackendConfig, Settings
-from lpcache.server_cache import RAM_TRUST
-from lpcache.testing import LlamaServer
+from lpcache.workloads import chats
+from lpcache.workloads.harness import LlamaServer
 
 from ..conftest import Proxy, figures
 

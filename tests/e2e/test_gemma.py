@@ -24,8 +24,8 @@ import httpx
 import pytest
 
 from lpcache.config import BackendConfig, Settings
-from lpcache.record import RequestRecord
-from lpcache.testing import LlamaServer, gemma_path
+from lpcache.flow.record import RequestRecord
+from lpcache.workloads.harness import LlamaServer, gemma_path
 
 from ..conftest import Proxy
 from ..conftest import figures as show

@@ -26,11 +26,11 @@ import httpx
 import openai
 import pytest
 
-from lpcache import chats
+from lpcache.cache.session_ids import session_id
 from lpcache.config import BackendConfig, Settings
 from lpcache.mock_llama import MockConfig, MockHandle, start_mock
-from lpcache.session_ids import session_id
-from lpcache.testing import LlamaServer
+from lpcache.workloads import chats
+from lpcache.workloads.harness import LlamaServer
 
 from ..conftest import Proxy, figures
 from .litellm_rig import LiteLLMProxy, route

@@ -13,10 +13,10 @@ from typing import Any
 import httpx
 import pytest
 
-from lpcache.backends import model_fingerprint
-from lpcache.sessions import route_tag
-from lpcache.testing import LlamaServer
-from lpcache.workload import ideal, turns
+from lpcache.backends.backend import model_fingerprint
+from lpcache.cache.sessions import route_tag
+from lpcache.workloads.harness import LlamaServer
+from lpcache.workloads.story import ideal, turns
 
 from ..conftest import figures
 from .litellm_rig import LiteLLMProxy, route

@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from lpcache.testing import REPO, MockProcess, ServerThread, chat
+from lpcache.workloads.harness import REPO, MockProcess, ServerThread, chat
 
 from .litellm_rig import LiteLLMProxy, read_jsonl, route
 

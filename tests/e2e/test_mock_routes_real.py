@@ -18,7 +18,7 @@ import orjson
 import pytest
 
 from lpcache.mock_llama import MockConfig, start_mock
-from lpcache.testing import LlamaServer, story
+from lpcache.workloads.harness import LlamaServer, story
 
 pytestmark = pytest.mark.e2e
 

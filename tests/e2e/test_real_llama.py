@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from lpcache.config import BackendConfig, Settings
-from lpcache.testing import LlamaServer, story
+from lpcache.workloads.harness import LlamaServer, story
 
 from ..conftest import Proxy
 

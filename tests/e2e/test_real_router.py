@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from lpcache.testing import _Process, llama_paths
+from lpcache.workloads.harness import _Process, llama_paths
 
 pytestmark = pytest.mark.e2e
 

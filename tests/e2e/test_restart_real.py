@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from lpcache.config import BackendConfig, Settings
-from lpcache.testing import LlamaServer
+from lpcache.workloads.harness import LlamaServer
 
 from ..conftest import Proxy, figures
 from .test_real_llama import body, conversation, follow_up, shared, tokens
@@ -17,9 +17,9 @@ pytestmark = pytest.mark.e2e
 
 
 def test_cache_survives_a_server_restart(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    import lpcache.slot_truth
+    import lpcache.backends.slot_truth
 
-    monkeypatch.setattr(lpcache.slot_truth, "SLOTS_TRUSTED_FOR", 0.0)   # no need to wait a second in a test
+    monkeypatch.setattr(lpcache.backends.slot_truth, "SLOTS_TRUSTED_FOR", 0.0)   # no need to wait a second in a test
     slots = str(tmp_path / "slots")
     first = conversation(7, n_words=700)
     server = LlamaServer(slots, n_slots=1, ctx=4096)

@@ -12,9 +12,9 @@ from typing import Any
 import httpx
 import pytest
 
+from lpcache.cache.sessions import session_filename
 from lpcache.config import BackendConfig, Settings
-from lpcache.sessions import session_filename
-from lpcache.testing import story
+from lpcache.workloads.harness import story
 
 from ..conftest import Proxy, figures
 from .test_real_router import MockRouter, RealRouter

@@ -24,8 +24,8 @@ import httpx
 import pytest
 
 from lpcache.config import BackendConfig, Settings
-from lpcache.testing import LlamaServer, LpcacheProcess, RedisServer
-from lpcache.workload import Turn, ideal, turns
+from lpcache.workloads.harness import LlamaServer, LpcacheProcess, RedisServer
+from lpcache.workloads.story import Turn, ideal, turns
 
 from ..conftest import Proxy, figures
 

@@ -13,10 +13,10 @@ from typing import Any
 import httpx
 import pytest
 
+from lpcache.cache.sessions import route_tag
 from lpcache.config import BackendConfig, Settings
-from lpcache.sessions import route_tag
-from lpcache.testing import LlamaServer
-from lpcache.workload import Turn, ideal, turns
+from lpcache.workloads.harness import LlamaServer
+from lpcache.workloads.story import Turn, ideal, turns
 
 from ..conftest import Proxy, figures
 

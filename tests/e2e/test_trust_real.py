@@ -1,10 +1,10 @@
 """Cache decisions on realistic traffic, against the real llama-server (b11434, SmolLM2; Gemma 3 for the model swap).
 
-The requests come from `lpcache.chats` (mixed case, punctuation, Unicode, code, several system messages, tools,
-tool calls and results, names, content parts). Every answer that says it hit or restored must get at least 90 % of
-the tokens it shares, exactly (llama-server's own /apply-template and /tokenize), with what the slot or the file
-held; near-duplicates never turn caching off; a request lpcache passes on (completions, Messages) leaves no false
-hit behind; a model swapped behind the URL is never restored into; a router caches in prefix mode.
+The requests come from `lpcache.workloads.chats` (mixed case, punctuation, Unicode, code, several system messages,
+tools, tool calls and results, names, content parts). Every answer that says it hit or restored must get at least 90 %
+of the tokens it shares, exactly (llama-server's own /apply-template and /tokenize), with what the slot or the file
+held; near-duplicates never turn caching off; a request lpcache passes on (completions, Messages) leaves no false hit
+behind; a model swapped behind the URL is never restored into; a router caches in prefix mode.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from typing import Any
 import httpx
 import pytest
 
-from lpcache import chats
+from lpcache.cache.meta_files import prefix_file
 from lpcache.config import BackendConfig, Settings
-from lpcache.index import prefix_file
-from lpcache.testing import LlamaServer, gemma_path
+from lpcache.workloads import chats
+from lpcache.workloads.harness import LlamaServer, gemma_path
 
 from ..conftest import Proxy, figures
 
@@ -174,9 +174,9 @@ def test_a_messages_request_the_server_places_itself_leaves_no_false_hit(tmp_pat
 
 def test_a_model_swapped_behind_the_url_is_never_restored_into(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    import lpcache.slot_truth
+    import lpcache.backends.slot_truth
 
-    monkeypatch.setattr(lpcache.slot_truth, "SLOTS_TRUSTED_FOR", 0.0)   # check before every request
+    monkeypatch.setattr(lpcache.backends.slot_truth, "SLOTS_TRUSTED_FOR", 0.0)   # check before every request
     slots = str(tmp_path / "slots")
     conv = chats.Conversation(51, turns=2, n_words=450)
     first = LlamaServer(slots, n_slots=1, cache_ram=0)

@@ -104,7 +104,7 @@ def stand_in_fingerprint(**config: Any) -> str:
     names its session files and tags its prefix caches."""
     from starlette.testclient import TestClient
 
-    from lpcache.backends import model_fingerprint
+    from lpcache.backends.backend import model_fingerprint
     from lpcache.mock_llama import create_app
 
     with TestClient(create_app(MockConfig(**config))) as c:

@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from lpcache import agents, chats
 from lpcache.config import BackendConfig
+from lpcache.workloads import agents, chats
 
 from ..agent_loop import AgentLoop
 from .conftest import Proxy, mock_stats

@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from lpcache import chats
+from lpcache.workloads import chats
 
 from .conftest import mock_stats
 

@@ -13,7 +13,7 @@ import httpx
 import orjson
 import pytest
 
-from lpcache import llama
+from lpcache.backends import llama
 from lpcache.config import BackendConfig
 from lpcache.mock_llama import MockHandle
 

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from lpcache.browser_login import COOKIE
+from lpcache.edge.browser_login import COOKIE
 
 from ..conftest import user, words
 from .conftest import Proxy

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 from starlette.applications import Starlette
 
+from lpcache.flow.record import RequestRecord
 from lpcache.plugins.dashboard import Dashboard
-from lpcache.record import RequestRecord
-from lpcache.testing import REPO, ServerThread
+from lpcache.workloads.harness import REPO, ServerThread
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"

@@ -15,10 +15,10 @@ from typing import Any
 import orjson
 import pytest
 
-from lpcache import chats
 from lpcache.apis import BY_PATH
 from lpcache.apis.base import OFF_LOOP_BYTES
-from lpcache.edge import MAX_HEAD_BYTES, MAX_HEADERS
+from lpcache.edge.http import MAX_HEAD_BYTES, MAX_HEADERS
+from lpcache.workloads import chats
 
 from ..conftest import figures, user, words
 

@@ -13,7 +13,7 @@ from orjson import loads as orjson_loads
 
 from lpcache.config import BackendConfig
 from lpcache.mock_llama import MockConfig, start_mock
-from lpcache.testing import free_port
+from lpcache.workloads.harness import free_port
 
 from ..conftest import Proxy, user, words
 from .conftest import mock_stats

@@ -22,10 +22,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lpcache import llama
+from lpcache.backends import llama
 from lpcache.config import BackendConfig, Settings
 from lpcache.mock_llama import MockConfig, MockHandle, start_mock
-from lpcache.soak import KEYS, WEIGHTS, Soak, arm, fault_kinds, plan
+from lpcache.workloads.soak import KEYS, WEIGHTS, Soak, arm, fault_kinds, plan
 
 from ..conftest import Proxy
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import httpx
 
-from lpcache import chats
-from lpcache.testing import RedisServer
+from lpcache.workloads import chats
+from lpcache.workloads.harness import RedisServer
 from tests.conftest import Proxy
 from tests.integration.conftest import mock_stats
 
@@ -116,7 +116,7 @@ async def _wait_for(check: Any, timeout: float = 10.0) -> bool:
 def test_a_backend_whose_folder_lpcache_cannot_see_keeps_ring_files_at_most(
         start_backend: Any, start_proxy: Any, redis_server: RedisServer, tmp_path: Any, slot_dir: str) -> None:
     from lpcache.config import BackendConfig
-    from lpcache.fleet import ring_file
+    from lpcache.fleet.replica import ring_file
 
     backend = start_backend(slots=1)
     remote = BackendConfig(backend.url, None, None)   # lpcache is not told the folder: as on another host
@@ -179,7 +179,7 @@ def test_a_replica_killed_mid_request_frees_its_slot_within_the_lease_and_the_re
     import json
     import threading
 
-    from lpcache.testing import LpcacheProcess, MockProcess
+    from lpcache.workloads.harness import LpcacheProcess, MockProcess
 
     folder = os.path.join(tmp_path, "slots")
     os.makedirs(folder)
@@ -274,11 +274,12 @@ async def test_fleet_claims_never_give_one_slot_to_two_valid_holders(redis_serve
     slot, and each slot accepts writes in token order (a holder writes only while its lease is valid)."""
     import asyncio
 
-    from lpcache.fleet import Fleet
-    from lpcache.index import MetaIndex
-    from lpcache.sessions import SessionBook
-    from lpcache.slots import Slot, SlotPool
-    from lpcache.speeds import SpeedBook
+    from lpcache.backends.slot_pool import SlotPool
+    from lpcache.backends.slots import Slot
+    from lpcache.cache.index import MetaIndex
+    from lpcache.cache.sessions import SessionBook
+    from lpcache.cache.speeds import SpeedBook
+    from lpcache.fleet.replica import Fleet
 
     rng = random.Random(7)
     fleets = []
@@ -351,11 +352,12 @@ async def _fleets(redis: RedisServer, tmp_path: Any, n: int, ttl_ms: int = 3000,
     import asyncio
     from types import SimpleNamespace
 
-    from lpcache.fleet import Fleet
-    from lpcache.index import MetaIndex
-    from lpcache.sessions import SessionBook
-    from lpcache.slots import Slot, SlotPool
-    from lpcache.speeds import SpeedBook
+    from lpcache.backends.slot_pool import SlotPool
+    from lpcache.backends.slots import Slot
+    from lpcache.cache.index import MetaIndex
+    from lpcache.cache.sessions import SessionBook
+    from lpcache.cache.speeds import SpeedBook
+    from lpcache.fleet.replica import Fleet
 
     fleets = []
     for i in range(n):
@@ -384,8 +386,8 @@ async def test_a_claim_the_client_sent_again_after_a_lost_answer_is_its_own_gran
     """redis-py sends a call again on a new connection when the first one's answer was lost: the claim script,
     run twice for one holder, grants the slot to that holder both times (not a refusal that leaves the slot
     leased to nobody who knows it), and what the slot held is then unknown (the first run's reading is lost)."""
-    from lpcache.fleet import _trusted
-    from lpcache.leases import Holder
+    from lpcache.fleet.leases import Holder
+    from lpcache.fleet.slot_state import trusted as _trusted
 
     (fleet,) = await _fleets(redis_server, tmp_path, 1)
     try:
@@ -407,8 +409,8 @@ async def test_a_granted_claim_whose_request_left_gives_the_slot_back_as_it_foun
     is the one the claim found, not "busy" (which would make every other replica wait for the lease's ttl)."""
     import asyncio
 
-    from lpcache.leases import PREFIX, Holder
-    from lpcache.slots import Content
+    from lpcache.backends.slots import Content
+    from lpcache.fleet.leases import PREFIX, Holder
 
     a, b = await _fleets(redis_server, tmp_path, 2)
     try:
@@ -444,7 +446,7 @@ async def test_slots_used_without_a_lease_while_redis_was_down_are_unknown_once_
     """While Redis is down a replica takes slots on its own word; another may have done the same. Once Redis is
     back, the slot's shared state says "unknown" under a new token (every replica stops believing what it held),
     and the replica that used it asks the server (its backend is suspect) before trusting its own belief."""
-    from lpcache.slots import Content
+    from lpcache.backends.slots import Content
 
     a, b = await _fleets(redis_server, tmp_path, 2)
     try:
@@ -477,9 +479,9 @@ async def test_the_ring_passes_over_names_in_use_and_names_none_while_redis_is_d
         redis_server: RedisServer, tmp_path: Any) -> None:
     import pytest
 
+    from lpcache.backends.slots import Content
     from lpcache.errors import SharedStoreDown
-    from lpcache.fleet import ring_file
-    from lpcache.slots import Content
+    from lpcache.fleet.replica import ring_file
 
     (fleet,) = await _fleets(redis_server, tmp_path, 1)
     try:
@@ -508,7 +510,7 @@ async def test_the_ring_passes_over_names_in_use_and_names_none_while_redis_is_d
 
 async def test_the_shared_session_documents_are_bounded(redis_server: RedisServer, tmp_path: Any,
                                                         monkeypatch: Any) -> None:
-    from lpcache import fleet as fleet_module
+    from lpcache.fleet import publishing as fleet_module
 
     monkeypatch.setattr(fleet_module, "SESSIONS_SHARED", 20)
     (fleet,) = await _fleets(redis_server, tmp_path, 1)
@@ -537,7 +539,7 @@ def test_bad_input_cut_bodies_and_clients_that_leave_never_leave_a_slot_leased(
     refused: no wait for the lease to lapse)."""
     import redis as redis_sync
 
-    from lpcache.leases import PREFIX
+    from lpcache.fleet.leases import PREFIX
 
     backend = start_backend(slots=1, gen_ms_per_token=5.0)
     a, b = replicas(start_proxy, [backend], redis_server, tmp_path, request_timeout=5.0)
@@ -632,8 +634,8 @@ async def test_a_slot_given_back_is_taken_over_by_the_replicas_next_request_with
     HANDOVER seconds after the last request gave it back, with what that one left in it."""
     import redis as redis_sync
 
-    from lpcache.leases import PREFIX
-    from lpcache.slots import Content
+    from lpcache.backends.slots import Content
+    from lpcache.fleet.leases import PREFIX
 
     a, b = await _fleets(redis_server, tmp_path, 2)
     client = redis_sync.Redis.from_url(redis_server.url)
@@ -674,8 +676,8 @@ async def test_the_files_another_replicas_request_restores_or_saves_are_never_de
     server is reading, or the one it is writing). Once A gives the slot back, they count as any other."""
     from dataclasses import replace
 
-    from lpcache.prefix import Prompt
-    from lpcache.slots import Want
+    from lpcache.backends.placement import Want
+    from lpcache.cache.prefix import Prompt
 
     folder = tmp_path / "slots"
     folder.mkdir()
@@ -748,7 +750,7 @@ async def test_a_slot_state_written_after_redis_lost_its_data_is_never_an_older_
     grant went to, and never over a newer state another replica wrote since (last-writer-wins would bring the older
     belief back, and every replica would keep believing what the slot held before). Tokens keep growing across the
     loss (the counter has a clock floor), and the new state is what both replicas believe."""
-    from lpcache.slots import Content
+    from lpcache.backends.slots import Content
 
     a, b = await _fleets(redis_server, tmp_path, 2)
     try:
@@ -786,8 +788,8 @@ async def test_a_release_redis_never_took_holds_no_slot_long_once_redis_lost_its
     holds is unknown. A claim made after the loss is seen again."""
     import time
 
-    from lpcache.fleet import CALL_TIMEOUT
-    from lpcache.slots import Content
+    from lpcache.backends.slots import Content
+    from lpcache.fleet.shared_map import CALL_TIMEOUT
 
     ttl = 12.0
     a, b, c = await _fleets(redis_server, tmp_path, 3, ttl_ms=int(ttl * 1000))
@@ -857,8 +859,8 @@ async def test_a_session_saved_on_another_server_is_looked_for_there_and_an_olde
     of an older save (a replica writing again what it knew, after Redis lost its data) changes nothing."""
     import orjson
 
-    from lpcache.slot_fill import SlotFiller
-    from lpcache.slots import Content
+    from lpcache.backends.slots import Content
+    from lpcache.flow.slot_fill import SlotFiller
 
     a, b = await _fleets(redis_server, tmp_path, 2, folder=str(tmp_path / "slots0"), servers=2)
     try:

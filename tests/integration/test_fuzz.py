@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from lpcache.config import BackendConfig, Settings
 from lpcache.mock_llama import MockConfig, MockHandle, start_mock
-from lpcache.soak import KEYS
+from lpcache.workloads.soak import KEYS
 
 from ..conftest import Proxy
 

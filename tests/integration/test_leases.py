@@ -18,8 +18,8 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from lpcache.errors import SharedStoreDown
-from lpcache.leases import COUNTER, PREFIX, Holder, Lease, Leases, LeaseTaken
-from lpcache.testing import RedisServer
+from lpcache.fleet.leases import COUNTER, PREFIX, Holder, Lease, Leases, LeaseTaken
+from lpcache.workloads.harness import RedisServer
 
 SLOT = "http://127.0.0.1:8080#0"
 A, B = Holder("replica-a", "req-1"), Holder("replica-b", "req-2")

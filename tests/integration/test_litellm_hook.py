@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
+from lpcache.cache.sessions import session_filename
 from lpcache.integrations.litellm import RouteOptions, SlotCacheHook, server_root
-from lpcache.sessions import session_filename
 
 from ..conftest import user, words
 from .conftest import mock_stats

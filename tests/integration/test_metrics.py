@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from lpcache import __version__, app
-from lpcache.testing import RedisServer
+from lpcache import __version__
+from lpcache.edge import app
+from lpcache.workloads.harness import RedisServer
 
 from ..conftest import Proxy, user, words
 from ..metric_names import families, served

@@ -15,13 +15,13 @@ import httpx
 import orjson
 import pytest
 
-from lpcache import chats
 from lpcache.mock_llama import MockConfig, MockHandle, create_app
 from lpcache.mock_llama.__main__ import build_parser, config_from
 from lpcache.mock_llama.faults import Faults
 from lpcache.mock_llama.slotfile import SlotFileError, decode, encode, is_valid_filename
 from lpcache.mock_llama.slots import Slot, choose_slot, wrap_slot_id
 from lpcache.mock_llama.tokens import lcp, render_chat, reply_stream, tokenize
+from lpcache.workloads import chats
 
 from .conftest import MakeMock
 
@@ -569,7 +569,7 @@ async def test_api_key(make_mock: MakeMock) -> None:
         assert (await c.get("/mock/stats")).status_code == 200
 
 
-# --- chat template: tools, tool calls, names, images (bodies from lpcache.chats) ------------------------------------
+# --- chat template: tools, tool calls, names, images (bodies from lpcache.workloads.chats) ----------------------------
 
 
 def chat_tokens(body: dict[str, Any]) -> list[str]:

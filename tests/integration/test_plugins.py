@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from lpcache.config import load_settings
-from lpcache.plugins.guard_standin import create_guard_app
-from lpcache.testing import ServerThread
+from lpcache.mock_llama.guard_model import create_guard_app
+from lpcache.workloads.harness import ServerThread
 
 from ..conftest import user, words
 from .conftest import mock_stats

@@ -200,7 +200,7 @@ def test_backend_4xx_is_passed_on(start_backend: Any, start_proxy: Any) -> None:
 
 
 def test_unreachable_backend_is_502(start_proxy: Any) -> None:
-    from lpcache.testing import free_port
+    from lpcache.workloads.harness import free_port
 
     proxy = start_proxy(BackendConfig(f"http://127.0.0.1:{free_port()}", 2))
     r = proxy.chat(user(words(1, SMALL)))
@@ -360,7 +360,7 @@ def test_models_and_health(start_backend: Any, start_proxy: Any) -> None:
 
 
 def test_models_falls_back_to_model_id_when_no_backend_answers(start_proxy: Any) -> None:
-    from lpcache.testing import free_port
+    from lpcache.workloads.harness import free_port
 
     proxy = start_proxy(BackendConfig(f"http://127.0.0.1:{free_port()}", 1), model_id="my-model")
     assert [m["id"] for m in proxy.client.get("/v1/models").json()["data"]] == ["my-model"]
@@ -373,8 +373,8 @@ def _diverging(text: str) -> str:
 
 def _key_of(proxy: Proxy, text: str) -> str:
     """The file name of the prefix cache of a one-message prompt saved by the proxy's first backend."""
-    from lpcache.index import prefix_file
-    from lpcache.prefix import Prompt
+    from lpcache.cache.meta_files import prefix_file
+    from lpcache.cache.prefix import Prompt
 
     fingerprint = proxy.pipeline.backends[0].fingerprint
     assert fingerprint is not None
@@ -494,9 +494,9 @@ def test_a_reused_restore_is_not_flagged(proxy: Proxy, backend: Any) -> None:
 def test_a_restarted_server_is_noticed_and_the_cache_restored(start_proxy: Any, start_backend: Any, slot_dir: str,
                                                               monkeypatch: pytest.MonkeyPatch,
                                                               session: str | None) -> None:
-    import lpcache.slot_truth
+    import lpcache.backends.slot_truth
 
-    monkeypatch.setattr(lpcache.slot_truth, "SLOTS_TRUSTED_FOR", 0.0)   # check before every request
+    monkeypatch.setattr(lpcache.backends.slot_truth, "SLOTS_TRUSTED_FOR", 0.0)   # check before every request
     backend = start_backend(slots=1)
     proxy = start_proxy(backend)
     headers = {"X-Session-ID": session} if session else None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import redis
 
-from lpcache.testing import RedisServer
+from lpcache.workloads.harness import RedisServer
 
 
 def test_a_restarted_redis_keeps_what_it_saved_and_a_killed_one_loses_it(redis_server: RedisServer) -> None:

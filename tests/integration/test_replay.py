@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from lpcache.mock_llama import MockHandle
-from lpcache.workload import Turn, ideal, ideal_of, shared, turns
+from lpcache.workloads.story import Turn, ideal, ideal_of, shared, turns
 
 from .conftest import Proxy, mock_stats
 
@@ -62,7 +62,7 @@ def test_direct_json_rows_and_ideal(backend: MockHandle) -> None:
     assert s["computed_source"] == "timings"
     assert all(r.prompt_tokens == r.prompt_n + r.cache_n == r.tokens for r in rows)
     assert s["prompt_tokens"] == s["tokenized"] == sum(r.tokens for r in rows)
-    # the ideal: one tokenisation pass gives what lpcache.workload.ideal gives, globally and per session
+    # the ideal: one tokenisation pass gives what lpcache.workloads.story.ideal gives, globally and per session
     assert [r.ideal for r in rows] == ideal(backend.url, workload, per_session=False)
     assert [r.ideal_session for r in rows] == ideal(backend.url, workload)
     assert all(r.ideal <= r.ideal_session <= r.tokens for r in rows)

@@ -16,8 +16,8 @@ from urllib.parse import quote
 import httpx
 import pytest
 
-from lpcache.index import prefix_file
-from lpcache.sessions import session_filename
+from lpcache.cache.meta_files import prefix_file
+from lpcache.cache.sessions import session_filename
 
 from ..conftest import user, words
 from .conftest import STAND_IN_FP, Proxy, mock_stats

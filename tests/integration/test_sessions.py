@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from lpcache.index import prefix_file
-from lpcache.sessions import route_tag, session_filename
+from lpcache.cache.meta_files import prefix_file
+from lpcache.cache.sessions import route_tag, session_filename
 
 from ..conftest import figures, user, words
 from .conftest import STAND_IN_FP, mock_stats, until
@@ -394,7 +394,7 @@ def test_a_big_session_prompt_is_summarized_and_compared_off_the_event_loop(star
     """The session book's work grows with the prompt (a 16 MiB one: about 0.15 s): above OFF_LOOP_BYTES it runs
     in a worker thread, like parsing and hashing, so other streams do not stall meanwhile."""
     from lpcache.apis.base import OFF_LOOP_BYTES
-    from lpcache.sessions import Summary
+    from lpcache.cache.sessions import Summary
 
     proxy = start_proxy(start_backend(slots=1, n_ctx=100_000))
     loop_thread = proxy.run(_ident())

@@ -12,9 +12,9 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 
-from lpcache.index import MetaEntry, meta_document
-from lpcache.shared_map import SharedMap, SharedStoreDown, connect
-from lpcache.testing import RedisServer
+from lpcache.cache.meta_files import MetaEntry, meta_document
+from lpcache.fleet.shared_map import SharedMap, SharedStoreDown, connect
+from lpcache.workloads.harness import RedisServer
 
 NS = ("index", "slots")
 

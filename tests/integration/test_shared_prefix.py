@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
-from lpcache import llama
-from lpcache.soak import KEYS, Ask, Soak, fault_kinds
+from lpcache.backends import llama
+from lpcache.workloads.soak import KEYS, Ask, Soak, fault_kinds
 
 from ..conftest import Proxy, words
 from .conftest import until

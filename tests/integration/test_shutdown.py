@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from lpcache.testing import LpcacheProcess, MockProcess
+from lpcache.workloads.harness import LpcacheProcess, MockProcess
 
 from ..conftest import user, words
 

@@ -2,7 +2,7 @@
 random all along (5xx, error/answer/`/slots`/`/props`/`/health`/save bodies cut or stalled, dropped connections,
 stalls, hangs, broken streams, failed saves), with coalescing and the result cache on and two client keys: identical
 bodies go at once from both keys, and some clients leave (leaders of coalesced groups among them). See
-`lpcache.soak` for the workload and how answers are judged.
+`lpcache.workloads.soak` for the workload and how answers are judged.
 
 Every answer is this very prompt's answer or an OpenAI-shaped error, never lpcache's own 500; no answer made for one
 key reaches the other; afterwards nothing is left busy or waiting, each request made one record, every meta file is
@@ -22,8 +22,8 @@ from typing import Any
 import httpx
 import pytest
 
-from lpcache import llama
-from lpcache.soak import KEYS, Soak, plan
+from lpcache.backends import llama
+from lpcache.workloads.soak import KEYS, Soak, plan
 
 from ..conftest import Proxy, figures, user, words
 

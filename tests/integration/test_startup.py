@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from lpcache.testing import LpcacheProcess
+from lpcache.workloads.harness import LpcacheProcess
 
 from ..conftest import user, words
 from .conftest import mock_stats
@@ -110,7 +110,7 @@ def test_a_crash_between_save_and_meta_file_is_reconciled_at_the_next_start(star
 async def _started(caplog: Any, url: str, n_slots: int | None = None, api_key: str | None = None) -> list[str]:
     import aiohttp
 
-    from lpcache.backends import start_backends
+    from lpcache.backends.backend import start_backends
     from lpcache.config import BackendConfig, Settings
 
     caplog.clear()

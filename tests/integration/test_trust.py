@@ -1,4 +1,5 @@
-"""Cache decisions on traffic as clients really send it (lpcache.chats: mixed case, punctuation, Unicode, code,
+"""Cache decisions on traffic as clients really send it (lpcache.workloads.chats: mixed case, punctuation, Unicode,
+code,
 several system messages, tools, tool calls and results, names, images), against the stand-in, which renders all of
 it into its prompt as a chat template does.
 
@@ -19,10 +20,10 @@ from typing import Any
 import httpx
 import pytest
 
-from lpcache import chats
+from lpcache.cache.meta_files import prefix_file
+from lpcache.cache.prefix import Prompt
 from lpcache.config import BackendConfig
-from lpcache.index import prefix_file
-from lpcache.prefix import Prompt
+from lpcache.workloads import chats
 
 from ..conftest import Proxy, user, words
 from .conftest import STAND_IN_FP, mock_stats
@@ -161,9 +162,9 @@ def test_client_slot_actions_are_refused_unless_allowed(start_backend: Any, star
 def test_a_model_swapped_behind_the_url_is_never_restored_into(start_backend: Any, start_proxy: Any,
                                                                 monkeypatch: pytest.MonkeyPatch,
                                                                 caplog: pytest.LogCaptureFixture) -> None:
-    import lpcache.slot_truth
+    import lpcache.backends.slot_truth
 
-    monkeypatch.setattr(lpcache.slot_truth, "SLOTS_TRUSTED_FOR", 0.0)   # check before every request
+    monkeypatch.setattr(lpcache.backends.slot_truth, "SLOTS_TRUSTED_FOR", 0.0)   # check before every request
     first = start_backend(slots=1, model="base-model", prefill_ms_per_token=PREFILL)
     proxy = start_proxy(first)
     conv = chats.Conversation(51, turns=3, n_words=400)
@@ -245,7 +246,7 @@ def test_a_client_leaving_during_the_prefill_saves_nothing_and_keeps_the_last_fi
 
 
 def test_generation_routes_fail_over_and_answer_in_openai_shape(start_backend: Any, start_proxy: Any) -> None:
-    from lpcache.testing import free_port
+    from lpcache.workloads.harness import free_port
 
     live = start_backend(slots=1)
     proxy = start_proxy(BackendConfig(f"http://127.0.0.1:{free_port()}", 1), live)

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 import lpcache
-from lpcache.testing import REPO, LpcacheProcess, MockProcess
+from lpcache.workloads.harness import REPO, LpcacheProcess, MockProcess
 from tests.packaging.conftest import user_env
 
 pytestmark = pytest.mark.packaging
@@ -58,7 +58,7 @@ def test_the_wheel_holds_the_package_and_the_license(dist: dict[str, Path]) -> N
     assert "lpcache/plugins/dashboard_page.html" in package
     info = f"lpcache-{lpcache.__version__}.dist-info"
     assert zipfile.ZipFile(dist["wheel"]).read(f"{info}/licenses/LICENSE") == (REPO / "LICENSE").read_bytes()
-    assert b"lpcache = lpcache.cli:main" in zipfile.ZipFile(dist["wheel"]).read(f"{info}/entry_points.txt")
+    assert b"lpcache = lpcache.edge.cli:main" in zipfile.ZipFile(dist["wheel"]).read(f"{info}/entry_points.txt")
 
 
 def test_the_sdist_holds_the_source_the_license_and_the_tests(dist: dict[str, Path]) -> None:

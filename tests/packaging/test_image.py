@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from lpcache.testing import REPO
+from lpcache.workloads.harness import REPO
 from tests.conftest import figures
 from tests.packaging.conftest import sh
 from tests.unit.test_docs import section

@@ -20,7 +20,7 @@ import pytest
 
 import lpcache
 from lpcache.config import OPTIONS
-from lpcache.testing import REPO, MockProcess, free_port, wait_healthy
+from lpcache.workloads.harness import REPO, MockProcess, free_port, wait_healthy
 from tests.packaging.conftest import sh, user_env
 from tests.unit.test_docs import section
 

@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 import pytest
 
-from lpcache import agents
+from lpcache.workloads import agents
 
 SESSIONS = agents.sessions(4, steps=8, seed=3)
 

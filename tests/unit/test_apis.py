@@ -5,16 +5,16 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from lpcache import agents
 from lpcache.apis import BY_PATH
 from lpcache.apis.base import Call
 from lpcache.apis.infill import PREFIX_EXACT_CHARS
 from lpcache.apis.llama_json import json_value
 from lpcache.apis.responses import Unconvertible
 from lpcache.apis.responses import to_chat as to_responses_chat
+from lpcache.cache.prefix import common_prefix
 from lpcache.config import Settings
 from lpcache.errors import BackendError, BadRequest
-from lpcache.prefix import common_prefix
+from lpcache.workloads import agents
 
 from ..agent_loop import AgentLoop
 

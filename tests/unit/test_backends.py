@@ -1,6 +1,6 @@
 """The circuit breaker: a pure state machine driven by the caller's clock."""
 
-from lpcache.backends import Breaker
+from lpcache.backends.backend import Breaker
 
 
 def test_first_failure_opens_for_the_base_cooldown() -> None:

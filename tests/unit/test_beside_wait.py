@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 import time
 
-from lpcache.slot_fill import beside_wait
-from lpcache.slots import Content, Slot
-from lpcache.speeds import Speeds
+from lpcache.backends.placement import beside_wait
+from lpcache.backends.slots import Content, Slot
+from lpcache.cache.speeds import Speeds
 
 BLOCK_TOKENS = 16   # 64 characters at the default 4 characters a token
 

@@ -13,8 +13,8 @@ from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
-from lpcache.browser_login import COOKIE, COOKIE_SECS, BrowserLogin
-from lpcache.guard import ApiKeys
+from lpcache.edge.browser_login import COOKIE, COOKIE_SECS, BrowserLogin
+from lpcache.flow.guard import ApiKeys
 
 KEYS = ["k-alpha-1234", "k-beta-5678"]
 PAGE, STATS = "/ops/dash", "/ops/dash/api/stats"

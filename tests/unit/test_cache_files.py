@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from lpcache.cache_files import GIB, CacheFolder, Limits
-from lpcache.sessions import route_tag, session_filename
+from lpcache.cache.cache_files import GIB, CacheFolder, Limits
+from lpcache.cache.sessions import route_tag, session_filename
 
 ROUTE = "qwen3"
 TAG = route_tag(ROUTE)

@@ -14,8 +14,8 @@ from typing import Any
 import orjson
 import pytest
 
-from lpcache import chats
-from lpcache.prefix import raw_prefix, words
+from lpcache.cache.prefix import raw_prefix, words
+from lpcache.workloads import chats
 
 HARNESS = chats.harness(7)
 SEEDS = range(12)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from lpcache.attempts import Attempts
-from lpcache.guard import client_credential, client_identity, passed_on, shown_headers
+from lpcache.flow.attempts import Attempts
+from lpcache.flow.guard import client_credential, client_identity, passed_on, shown_headers
 from lpcache.plugins.base import MAX_ANSWER_BYTES, Answer, ChatRequest, Prefilter
 from lpcache.plugins.keyword import KeywordPrefilter
 
@@ -102,7 +102,7 @@ def test_the_caller_is_read_once_with_what_each_step_reads_of_the_headers() -> N
     key goes nowhere (not to llama-server, not to the plugins)."""
     from starlette.datastructures import Headers
 
-    from lpcache.guard import Caller
+    from lpcache.flow.guard import Caller
 
     raw = Headers(raw=[(b"authorization", b"Bearer sk-\xc3\xa9l\xc3\xa8ve"), (b"x-session-id", b"Chat #7 \xe2\x9c\x93"),
                        (b"x-api-key", b"other"), (b"user-agent", b"OpenAI/Python 1.60"),

@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 import pytest
 
-from lpcache.coalesce import Coalescer, Group, aggregate_sse, coalesce_key, completion_to_sse
+from lpcache.flow.coalesce import Coalescer, Group, aggregate_sse, coalesce_key, completion_to_sse
 
 BODY: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0.2}
 

@@ -525,7 +525,7 @@ def test_the_default_body_limit_holds_a_128k_token_chat_with_images() -> None:
 
     import orjson
 
-    from lpcache import chats
+    from lpcache.workloads import chats
 
     body = chats.request(7, 62000, chats.harness(1), turns=12)
     text_bytes = len(orjson.dumps(body))

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from lpcache import config, config_doc
+from lpcache import config
 from lpcache.config import OPTIONS, BackendConfig, build_parser
+from lpcache.edge import config_page as config_doc
 
 from ..metric_names import served
 
@@ -132,12 +133,13 @@ def test_the_page_lists_exactly_the_backends_keys() -> None:
 def test_every_option_is_in_a_group_and_every_group_name_is_an_option() -> None:
     named = [name for _title, _intro, names in config.GROUPS for name in names]
     assert len(named) == len(set(named))
-    assert set(named) == OPTION_NAMES, "sort the option into a group in lpcache/config.py GROUPS"
+    assert set(named) == OPTION_NAMES, "sort the option into a group in lpcache/config/options.py GROUPS"
 
 
 def test_every_value_kind_is_read_from_the_parser() -> None:
     for o in OPTIONS:
-        assert config_doc.value_kind(o) is not None, f"{o.env}: describe its parser in lpcache/config_doc.py _KINDS"
+        assert config_doc.value_kind(o) is not None, \
+            f"{o.env}: describe its parser in lpcache/edge/config_page.py _KINDS"
 
 
 TRUE_FALSE = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}

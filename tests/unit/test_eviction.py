@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import pytest
 
-from lpcache import eviction
-from lpcache.eviction import ABANDON, SAMPLE, Usage, UsageTable, key_hash, lru_victims, victims
+from lpcache.cache import eviction
+from lpcache.cache.eviction import ABANDON, SAMPLE, Usage, UsageTable, key_hash, lru_victims, victims
 
 Choose = Callable[[UsageTable, float, int, int, set[str]], list[str]]
 

@@ -10,12 +10,14 @@ from typing import Any
 
 import pytest
 
-from lpcache.backends import CLOSED, Backend, Breaker, Prober
+from lpcache.backends.backend import CLOSED, Backend, Breaker, Prober
+from lpcache.backends.llama import LlamaClient, SlotAction, client_session
+from lpcache.backends.placement import WaitPlan, Want
+from lpcache.backends.slot_pool import Lease, SlotPool
+from lpcache.backends.slots import Slot
 from lpcache.config import BackendConfig
 from lpcache.errors import BackendUnreachable, SlotsBusy
-from lpcache.llama import LlamaClient, SlotAction, client_session
-from lpcache.saving import retryable
-from lpcache.slots import Lease, Slot, SlotPool, WaitPlan, Want
+from lpcache.flow.saving import retryable
 
 # ---- the breaker: exactly one probe per cooldown ----
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from lpcache import chats
-from lpcache.identity import BLOCK_CHARS, Identity, canonical_text, chain_of, template_fields
-from lpcache.prefix import Prompt, common_prefix
+from lpcache.cache.identity import BLOCK_CHARS, Identity, canonical_text, chain_of, template_fields
+from lpcache.cache.prefix import Prompt, common_prefix
+from lpcache.workloads import chats
 
 
 def prompt(body: dict) -> Prompt:

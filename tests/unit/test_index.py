@@ -11,8 +11,9 @@ from dataclasses import replace
 import orjson
 import pytest
 
-from lpcache.index import Candidate, MetaEntry, MetaIndex, entry_from_document, write_atomic
-from lpcache.prefix import Prompt
+from lpcache.cache.index import MetaIndex
+from lpcache.cache.meta_files import Candidate, MetaEntry, entry_from_document, write_atomic
+from lpcache.cache.prefix import Prompt
 
 URL = "http://backend:8000"
 FP = "fingerprint"
@@ -739,7 +740,7 @@ async def test_a_meta_file_naming_another_folder_never_deletes_outside_the_slot_
 
 
 def test_inside_keeps_every_name_in_its_folder() -> None:
-    from lpcache.index import inside, valid_key
+    from lpcache.cache.meta_files import inside, valid_key
 
     assert inside("/kv", "a" * 64) == "/kv/" + "a" * 64
     for name in ("", ".", "..", "../x", "/etc/passwd", "a/b", "a\\b", "a\0b"):
@@ -776,8 +777,8 @@ def test_meta_skipped_lines_are_bounded(make_index, tmp_path, caplog) -> None:
 
 
 def test_check_meta_dir_says_what_is_wrong_in_one_line(tmp_path) -> None:
+    from lpcache.cache.meta_files import check_meta_dir
     from lpcache.errors import ConfigError
-    from lpcache.index import check_meta_dir
 
     a_file = tmp_path / "a-file"
     a_file.write_text("x")

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from lpcache.leases import Holder, Lease, drift
+from lpcache.fleet.leases import Holder, Lease, drift
 
 
 def test_a_replica_id_is_one_word_because_the_stored_value_is_split_on_spaces() -> None:

@@ -19,8 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.responses import Response
 
 from lpcache import __version__
-from lpcache.metrics import Metrics
-from lpcache.record import RequestRecord
+from lpcache.edge.metrics import Metrics
+from lpcache.flow.record import RequestRecord
 
 from ..metric_names import served, served_samples
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from lpcache import chats
 from lpcache.mock_llama.tokens import image_marker, lcp, render_chat, tokenize
+from lpcache.workloads import chats
 
 TOOLS = [{"type": "function", "function": {"name": "get_time", "description": "Now.",
                                            "parameters": {"type": "object", "properties": {}}}}]

@@ -10,9 +10,9 @@ import httpx
 import pytest
 from starlette.applications import Starlette
 
+from lpcache.flow.record import RequestRecord
 from lpcache.plugins.base import Observer, PluginError, Routes
 from lpcache.plugins.dashboard import KEEP_SECS, MAX_POINTS, Dashboard
-from lpcache.record import RequestRecord
 
 T0 = 1_700_000_000.0  # a multiple of every bucket size used here
 
@@ -370,7 +370,7 @@ async def test_the_disk_figure_is_read_off_the_loop_once_per_period() -> None:
     import asyncio
     import threading
 
-    from lpcache.app import DiskFigure
+    from lpcache.edge.app import DiskFigure
 
     class Index:
         reads: list[int] = []

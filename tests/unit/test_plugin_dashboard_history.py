@@ -12,10 +12,10 @@ from typing import Any
 import orjson
 import pytest
 
+from lpcache.flow.record import RequestRecord
 from lpcache.plugins import dashboard_history
 from lpcache.plugins.dashboard import Dashboard
 from lpcache.plugins.dashboard_history import COARSE, FINE, MAX_BYTES
-from lpcache.record import RequestRecord
 
 T0 = 1_700_000_000.0
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
+from lpcache.flow.record import RequestRecord
 from lpcache.plugins.dashboard_stats import BINS, Counts, Histogram, outcome
-from lpcache.record import RequestRecord
 
 
 @pytest.mark.parametrize(("status", "reason", "expected"), [

@@ -1,5 +1,5 @@
 """The qwen_guard prefilter: verdict parsing, the decision policy, fail-open / fail-closed, the verdict LRU, and the
-HTTP round trip against the stand-in guard server (`lpcache.plugins.guard_standin`)."""
+HTTP round trip against the stand-in guard server (`lpcache.mock_llama.guard_model`)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
+from lpcache.mock_llama.guard_model import GuardState, create_guard_app
 from lpcache.plugins.base import ChatRequest, PluginError, Reject
-from lpcache.plugins.guard_standin import GuardState, create_guard_app
 from lpcache.plugins.qwen_guard import GuardError, GuardVerdict, QwenGuardPrefilter, parse_verdict
-from lpcache.testing import ServerThread, free_port
+from lpcache.workloads.harness import ServerThread, free_port
 
 RULES = {
     "bomb": ("Unsafe", ["Violent"]),

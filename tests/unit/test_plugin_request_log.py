@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 import lpcache
+from lpcache.flow.record import RequestRecord
 from lpcache.plugins.base import Observer, PluginError
 from lpcache.plugins.request_log import FIELDS, RequestLog, render_value
-from lpcache.record import RequestRecord
 
 STARTED = 1700000000.5  # 2023-11-14T22:13:20.500000Z
 

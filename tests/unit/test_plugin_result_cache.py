@@ -11,7 +11,7 @@ from typing import Any
 import orjson
 import pytest
 
-from lpcache.coalesce import aggregate_sse
+from lpcache.flow.coalesce import aggregate_sse
 from lpcache.plugins.base import Answer, ChatRequest, PluginError, Serve
 from lpcache.plugins.result_cache import RemoveAfterServe, ResultCachePrefilter, entry_key
 

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lpcache import prefix
-from lpcache.identity import canonical_text
-from lpcache.prefix import (
+from lpcache.cache import prefix
+from lpcache.cache.identity import canonical_text
+from lpcache.cache.prefix import (
     Prompt,
     block_hashes,
     cache_key,
@@ -260,7 +260,7 @@ def test_ascii_fast_path_matches_the_regex() -> None:
     import re
     import string
 
-    from lpcache.prefix import words
+    from lpcache.cache.prefix import words
 
     rng = random.Random(7)
     alphabet = string.printable

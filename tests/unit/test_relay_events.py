@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lpcache.relay import _whole_events, _without_comments
+from lpcache.flow.relay import _whole_events, _without_comments
 
 DATA = b'data: {"choices":[{"index":0,"delta":{"content":"a: b"}}]}\n\n'
 

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from lpcache.reuse import REUSE_EVIDENCE, REUSE_MIN_TOKENS, ReuseWatch
+from lpcache.cache.reuse import REUSE_EVIDENCE, REUSE_MIN_TOKENS, ReuseWatch
 
 
 def test_one_file_falling_short_again_and_again_is_not_a_verdict() -> None:

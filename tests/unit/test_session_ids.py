@@ -1,4 +1,4 @@
-"""Which X-Session-ID values are a session, and the 32-hex id lpcache uses for each (`lpcache.session_ids`)."""
+"""Which X-Session-ID values are a session, and the 32-hex id lpcache uses for each (`lpcache.cache.session_ids`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from lpcache.session_ids import MAX_CHARS, SessionIds, header_bytes, is_session_id, read_session_id, session_id
+from lpcache.cache.session_ids import MAX_CHARS, SessionIds, header_bytes, is_session_id, read_session_id, session_id
 
 HEX = "3f9a0c1d5b7e4a2c8d6f1e0b9a7c5d3e"   # as Marginalia sends it
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from lpcache.session_ids import is_session_id, session_id
-from lpcache.sessions import SessionBook, compare, route_name, route_tag, session_filename
+from lpcache.cache.session_ids import is_session_id, session_id
+from lpcache.cache.sessions import SessionBook, compare, route_name, route_tag, session_filename
 
 GOOD = "3f9a0c1d5b7e4a2c8d6f1e0b9a7c5d3e"
 
@@ -79,7 +79,7 @@ def long_text(n: int, seed: str = "x") -> str:
 
 
 def test_a_long_prompt_is_kept_as_digests_and_compared_to_the_chunk() -> None:
-    from lpcache.sessions import CHUNK_MIN_CHARS, TEXT_KEPT_CHARS, Summary
+    from lpcache.cache.sessions import CHUNK_MIN_CHARS, TEXT_KEPT_CHARS, Summary
 
     story = long_text(200_000)
     first = msgs("You write stories.", story)
@@ -108,7 +108,7 @@ def test_a_long_prompt_is_kept_as_digests_and_compared_to_the_chunk() -> None:
 
 
 def test_the_book_is_bounded_by_count_and_bytes() -> None:
-    from lpcache.sessions import SessionBook, Summary
+    from lpcache.cache.sessions import SessionBook, Summary
 
     book = SessionBook(limit=3)
     for i in range(5):

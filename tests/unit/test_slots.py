@@ -7,11 +7,13 @@ from dataclasses import replace
 
 import pytest
 
+from lpcache.backends.placement import Choice, WaitPlan, Want, choose, wait_plan
+from lpcache.backends.slot_pool import SlotPool
+from lpcache.backends.slots import Content, Slot
+from lpcache.cache.meta_files import Candidate, MetaEntry
+from lpcache.cache.prefix import Prompt
+from lpcache.cache.server_cache import PROBE_PAYBACK, RAM_RETRY_SECONDS, RAM_TRUST, RamWatch
 from lpcache.errors import ProxyError, SlotsBusy
-from lpcache.index import Candidate, MetaEntry
-from lpcache.prefix import Prompt
-from lpcache.server_cache import PROBE_PAYBACK, RAM_RETRY_SECONDS, RAM_TRUST, RamWatch
-from lpcache.slots import Choice, Content, Slot, SlotPool, WaitPlan, Want, choose, wait_plan
 
 A, B = "http://a:8000", "http://b:8000"
 
@@ -597,7 +599,7 @@ def test_choose_sends_a_prompt_no_slot_or_file_holds_to_the_server_whose_ram_lik
 
 
 def test_server_caches_remember_the_last_holder_of_the_longest_prefix() -> None:
-    from lpcache.server_cache import ServerCaches
+    from lpcache.cache.server_cache import ServerCaches
 
     caches = ServerCaches(limit=10)
     a, b = prompt(text(6)), prompt(text(9))

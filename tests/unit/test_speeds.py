@@ -1,4 +1,4 @@
-from lpcache.speeds import MIN_TOKENS, Rate, Speeds
+from lpcache.cache.speeds import MIN_TOKENS, Rate, Speeds
 
 
 def test_unknown_speeds_restore() -> None:

@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from lpcache.speeds import Speeds
-from lpcache.worth import HORIZON_MIN, NEED_PRIOR, PROBE_SECONDS, ReturnWatch, Seen, Worth
+from lpcache.cache.speeds import Speeds
+from lpcache.cache.worth import HORIZON_MIN, NEED_PRIOR, PROBE_SECONDS, ReturnWatch, Seen, Worth
 
 
 def seen(depth: int, tokens: int = 500, why: str = "", at: float = 0.0, key: str = "k", words: int = 80) -> Seen:

@@ -1,0 +1,344 @@
+"""Hands slots out to requests.
+
+A slot is used by one request at a time (its lock is the `busy` flag, changed only on the event loop). A request
+that finds no idle slot waits in a FIFO queue for any slot, not for one in particular, so no request queues behind
+a busy slot while another is idle. With REDIS_URL, a slot is claimed across replicas before use (`Claims`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from lpcache.backends.placement import Choice, WaitPlan, Want
+from lpcache.backends.slots import Content, Slot
+from lpcache.errors import SlotsBusy
+
+
+@dataclass(eq=False)
+class _Waiter:
+    want: Want
+    future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class Refused(Exception):
+    """The slot chosen is another replica's (its claim was refused): the caller plans its wait again."""
+
+
+class Claims(Protocol):
+    """Slot leases across replicas (`fleet.Fleet`, with REDIS_URL): a slot the pool hands out locally is claimed
+    before use; another replica's live lease on it makes the pool choose again."""
+
+    async def claim(self, slot: Slot, want: Want | None = None, restore: str | None = None) -> bool: ...
+
+    def released(self, slot: Slot) -> None: ...
+
+    def valid(self, slot: Slot) -> bool: ...
+
+    def saving(self, slot: Slot) -> None: ...
+
+
+class SlotPool:
+    """Hands out slots: at once when one is idle and nobody waits, else in arrival order as slots come free."""
+
+    def __init__(self, slots: Sequence[Slot], wait_timeout: float = 300.0) -> None:
+        self.slots = list(slots)
+        self.wait_timeout = wait_timeout
+        self._waiters: deque[_Waiter] = deque()
+        self.claims: Claims | None = None   # set with REDIS_URL
+        # When a list (tests): (slot name, wall-clock time, "take" or "give") as this replica starts and stops
+        # using a slot; with `claims`, "take" once the slot is claimed.
+        self.trace: list[tuple[str, float, str]] | None = None
+
+    def idle(self, allowed: Callable[[Slot], bool] | None = None) -> list[Slot]:
+        return [s for s in self.slots if not s.taken and (allowed is None or allowed(s))]
+
+    def ours(self, slot: Slot) -> bool:
+        """Whether this replica may still act on a slot it holds (restore into it, save from it): with `claims`,
+        its lease has not lapsed (a replica cut from Redis longer than the lease's expiry stops writing)."""
+        return self.claims is None or self.claims.valid(slot)
+
+    def load(self) -> dict[int, int]:
+        """Slots taken per backend (busy here, or held by another replica)."""
+        taken: dict[int, int] = {}
+        for s in self.slots:
+            if s.taken:
+                taken[s.backend] = taken.get(s.backend, 0) + 1
+        return taken
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def add(self, slots: Sequence[Slot]) -> None:
+        """More slots (a backend that came up told its real slot count)."""
+        self.slots.extend(slots)
+        self.wake()
+
+    async def acquire(self, want: Want, timeout: float | None = None) -> Choice:
+        """Take a slot (among those `want.allowed`); raise SlotsBusy (503) when none comes free within the wait
+        timeout (`timeout`, else the pool's). With `claims` (REDIS_URL), the slot is claimed across replicas before
+        it is returned; one another replica holds is passed over (chosen again)."""
+        return (await self._claimed(want, timeout, None, refusals=False))[0]
+
+    async def take(self, want: Want, plan: WaitPlan | None, timeout: float | None = None,
+                   replan: Callable[[], WaitPlan | None] | None = None) -> tuple[Choice, bool]:
+        """Take a slot, waiting first for the busy slots `plan` names (for at most `plan.seconds`, decided again
+        when the awaited slot's request progresses: `plan.recheck`), then for any allowed slot, in one place in the
+        line: a request whose plan runs out keeps its turn. Returns the choice and whether it came from the plan.
+        The whole wait is bounded by the timeout (SLOT_WAIT_TIMEOUT). A slot chosen but found to be another
+        replica's (REDIS_URL) makes the plan be made again (`replan`), now that this replica knows it is busy."""
+        total = self.wait_timeout if timeout is None else timeout
+        deadline = time.monotonic() + total
+        while True:
+            try:
+                return await self._claimed(want, max(deadline - time.monotonic(), 0.0), plan,
+                                           refusals=replan is not None)
+            except Refused:
+                assert replan is not None
+                plan = replan()
+
+    async def _claimed(self, want: Want, timeout: float | None, plan: WaitPlan | None,
+                       refusals: bool) -> tuple[Choice, bool]:
+        """`_acquire`, then with `claims` the claim across replicas; with `refusals`, `Refused` when another
+        replica holds the slot chosen (the caller plans again), else that slot is passed over."""
+        total = self.wait_timeout if timeout is None else timeout
+        if self.claims is None:
+            choice, planned = await self._acquire(want, total, plan)
+            return self._traced(choice), planned
+        deadline = time.monotonic() + total
+        while True:
+            choice, planned = await self._acquire(want, max(deadline - time.monotonic(), 0.0), plan)
+            believed = choice.slot.content
+            try:
+                ours = await self.claims.claim(choice.slot, want,
+                                               choice.restore.entry.key if choice.restore is not None else None)
+            except BaseException:
+                want.given_back(choice)
+                self._unclaimed(choice.slot)
+                raise
+            if ours:
+                if choice.slot.content is believed:
+                    return self._traced(choice), planned
+                # the claim told what the slot really holds (another replica used it meanwhile): decide again
+                # what to do with this slot, now that it is ours
+                want.given_back(choice)
+                return self._traced(want.choose([choice.slot], self.load())), planned
+            want.given_back(choice)
+            self._unclaimed(choice.slot)   # marked `elsewhere` by the claim: not chosen again meanwhile
+            if refusals:
+                raise Refused(choice.slot.name)
+
+    def _traced(self, choice: Choice) -> Choice:
+        if self.trace is not None:
+            self.trace.append((choice.slot.name, time.time(), "take"))
+        return choice
+
+    def _unclaimed(self, slot: Slot) -> None:
+        """A slot handed out here but not ours across replicas: idle again here, as it was."""
+        slot.busy = False
+        self._filling_over(slot)
+        self.wake()
+
+    async def _acquire(self, want: Want, timeout: float, plan: WaitPlan | None) -> tuple[Choice, bool]:
+        """Wait in line for a slot `want` allows; with a `plan`, only for the slots it names until its time is up
+        (`plan.seconds`, decided again at the awaited slot's progress, never beyond the first), then for any: the
+        waiter widens where it stands in the line. Returns the choice and whether it came while the plan held."""
+        narrow = want.only(plan.wanted) if plan is not None else want
+        idle = self.idle(narrow.allowed)
+        if idle and not self._waiters:
+            return self._take(narrow.choose(idle, self.load())), plan is not None
+        waiter = _Waiter(narrow)
+        self._waiters.append(waiter)
+        self.wake()
+        loop = asyncio.get_running_loop()
+        widening: asyncio.TimerHandle | None = None
+        replan: Callable[[], None] | None = None
+        target = plan.target if plan is not None else None
+
+        def widen() -> None:
+            if not waiter.future.done() and waiter.want is narrow:
+                waiter.want = want
+                self.wake()
+
+        if plan is not None and waiter.want is narrow:
+            bound = loop.time() + max(plan.seconds, 0.0)
+            widening = loop.call_at(bound, widen)
+            if target is not None:
+                target.on_handover.append(widen)   # went to a request ahead in the line: waiting on is pointless
+            if target is not None and plan.recheck is not None:
+                again = plan.recheck
+
+                def replan() -> None:
+                    nonlocal widening
+                    if widening is not None:
+                        widening.cancel()
+                    seconds = again()
+                    if seconds <= 0:
+                        widen()   # the wait no longer pays: any slot, now
+                    else:
+                        widening = loop.call_at(min(bound, loop.time() + seconds), widen)
+
+                target.replans.append(replan)
+        try:
+            # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancel that lands just as the slot is
+            # handed over, and the cancelled caller would keep a slot it never releases.
+            async with asyncio.timeout(timeout):
+                choice = await asyncio.shield(waiter.future)
+            return choice, plan is not None and waiter.want is narrow
+        except (TimeoutError, asyncio.CancelledError) as e:
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+            elif waiter.future.done() and not waiter.future.cancelled():
+                got = waiter.future.result()   # it got a slot just as it gave up
+                want.given_back(got)
+                self.release(got.slot)
+            waiter.future.cancel()
+            if isinstance(e, TimeoutError):
+                raise SlotsBusy("all slots busy", code="all_slots_busy") from None
+            raise
+        finally:
+            if widening is not None:
+                widening.cancel()
+            if target is not None and replan is not None:
+                target.replans.remove(replan)
+            if target is not None and widen in target.on_handover:
+                target.on_handover.remove(widen)
+
+    def progressed(self, slot: Slot) -> None:
+        """The request in `slot` got its first token: the requests waiting for that slot decide how long again."""
+        for replan in list(slot.replans):
+            replan()
+
+    def release(self, slot: Slot, content: Content | None | bool = True, used: bool = True) -> None:
+        """Give a slot back. `content`: what it now holds (True: unchanged, None: unknown). `used` False: it
+        served no request (an idle save), so it keeps its place in the least-recently-used order."""
+        if not slot.busy:
+            return
+        if self.trace is not None:
+            self.trace.append((slot.name, time.time(), "give"))
+        slot.busy = False
+        self._filling_over(slot)
+        if slot.on_release is not None:
+            slot.on_release.set()
+            slot.on_release = None
+        slot.pending = None
+        slot.phase, slot.free_at = "", None
+        slot.stream, slot.sent_at, slot.first_token_at, slot.computing = False, None, None, 0
+        slot.answer_tokens = None
+        if used:
+            slot.last_used = time.monotonic()
+        if content is not True:
+            slot.content = content if isinstance(content, Content) else None
+        if self.claims is not None:
+            self.claims.released(slot)
+        self.wake()
+
+    async def until_released(self, slot: Slot, timeout: float) -> bool:
+        """Wait until the busy `slot` is given back (`release`), `timeout` seconds at most; whether it was."""
+        if not slot.busy:
+            return True
+        if slot.on_release is None:
+            slot.on_release = asyncio.Event()
+        released = slot.on_release
+        try:
+            async with asyncio.timeout(timeout):
+                await released.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    async def take_idle(self, slot: Slot, force: bool = False) -> bool:
+        """Take this slot for lpcache's own work (an idle save) when it is idle and no request waits for a slot
+        (`force`: even then, for a save that cannot wait), and, with `claims`, no other replica holds it."""
+        if slot.taken or (self._waiters and not force):
+            return False
+        slot.busy = True
+        if self.claims is not None:
+            try:
+                ours = await self.claims.claim(slot)
+            except BaseException:
+                self._unclaimed(slot)
+                raise
+            if not ours:
+                self._unclaimed(slot)
+                return False
+        if self.trace is not None:
+            self.trace.append((slot.name, time.time(), "take"))
+        return True
+
+    def _take(self, choice: Choice) -> Choice:
+        choice.slot.busy = True
+        choice.slot.used = True
+        self._filling_over(choice.slot)
+        choice.slot.filling = asyncio.Event()
+        return choice
+
+    def wake(self) -> None:
+        """Hand idle slots to the waiters, in arrival order; a waiter none of whose allowed slots is idle keeps
+        its place without holding up the ones behind it."""
+        for waiter in list(self._waiters):
+            if waiter.future.done():
+                self._waiters.remove(waiter)
+                continue
+            idle = self.idle(waiter.want.allowed)
+            if not idle:
+                if not self.idle():
+                    break
+                continue
+            self._waiters.remove(waiter)
+            waiter.future.set_result(self._take(waiter.want.choose(idle, self.load())))
+
+    def handed_over(self, slot: Slot) -> None:
+        """The slot's new holder saved what it held before (or found it not worth keeping): the slot is that
+        request's now. A request that waited for the slot waits for any from then on, in its place in the line; one
+        that needs the cache it held (`filling`) finds it on disk. Not at the hand-over itself: a waiter that took
+        another slot then would look for a file not written yet. The waits end on the loop's next turn: after the
+        bookkeeping the save spawned (`Pipeline.spawn`) put the file's entry in the index."""
+        if slot.on_handover:
+            loop = asyncio.get_running_loop()
+            for widen in list(slot.on_handover):
+                loop.call_soon(widen)
+        self._filling_over(slot)
+
+    @staticmethod
+    def _filling_over(slot: Slot) -> None:
+        if slot.filling is not None:
+            slot.filling.set()
+            slot.filling = None
+
+
+class Lease:
+    """A slot held for one request's try, given back exactly once: by whoever it was handed to, or, used as
+    `async with`, when anything is raised inside (a cancellation included), with `on_error` as what the slot then
+    holds (None: unknown). `keep()` inside the block: the holder gives it back later, even if something is raised."""
+
+    def __init__(self, pool: SlotPool, choice: Choice, on_error: Content | None | bool = None) -> None:
+        self.pool = pool
+        self.choice = choice
+        self.on_error = on_error
+        self.kept = False
+        self.returned = False
+
+    @property
+    def slot(self) -> Slot:
+        return self.choice.slot
+
+    def keep(self) -> None:
+        self.kept = True
+
+    def give_back(self, content: Content | None | bool = True, used: bool = True) -> None:
+        if not self.returned:
+            self.returned = True
+            self.pool.release(self.choice.slot, content, used)
+
+    async def __aenter__(self) -> Lease:
+        return self
+
+    async def __aexit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: object) -> None:
+        if error is not None and not self.kept:
+            self.give_back(self.on_error)

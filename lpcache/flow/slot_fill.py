@@ -1,0 +1,562 @@
+"""What goes into a slot before a request is sent.
+
+- The slot: an idle one chosen by `placement.choose` (a resident exact prefix, or a saved cache worth restoring, looked
+  up when the slot is handed out), or a busy one worth waiting for, as long as the wait costs less than the prefill
+  it spares (the learnt speeds, SLOT_AFFINITY_WAIT at most).
+- Then, in session mode, the session swapped in; in prefix mode, the chosen saved cache restored. A candidate is
+  protected from deletion from the moment it is chosen until its restore is done; a file that is gone anyway is
+  never asked for (the slot keeps its content). A restore that fails leaves the slot as it was when its previous
+  content is on disk (restored back), never empty for nothing: an empty pinned slot also misses llama-server's RAM
+  cache.
+- Before anything replaces what a slot holds, that is saved when it is worth keeping and not on disk yet.
+- After the answer, what the server reports (`cache_n`) is checked against what the slot was believed to hold:
+  restores judged for `reuse`, false beliefs corrected (`slot_truth`), in `cache_outcome`.
+
+Every slot call goes through `swap`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+from lpcache.backends import swap
+from lpcache.backends.backend import Backend
+from lpcache.backends.llama import SlotAction
+from lpcache.backends.placement import (
+    RESIDENT_MIN_SHARE,
+    Budget,
+    Choice,
+    WaitPlan,
+    Want,
+    beside_wait,
+    route_of,
+    wait_plan,
+)
+from lpcache.backends.router_models import RouterModels
+from lpcache.backends.slot_pool import SlotPool
+from lpcache.backends.slots import Content, Slot
+from lpcache.cache.index import MetaIndex
+from lpcache.cache.meta_files import Candidate, MetaEntry
+from lpcache.cache.prefix import Prompt, common_prefix
+from lpcache.cache.reuse import ReuseWatch
+from lpcache.cache.sessions import SessionBook, route_name
+from lpcache.cache.speeds import SpeedBook, Speeds
+from lpcache.config import Settings
+from lpcache.errors import SlotsBusy
+from lpcache.flow import cache_outcome
+from lpcache.flow.record import RequestRecord
+from lpcache.flow.saving import Saver, int_or_none, resavable, slot_files_off
+
+log = logging.getLogger("lpcache.slot_fill")
+
+
+class SlotFiller:
+    def __init__(self, settings: Settings, backends: Sequence[Backend], pool: SlotPool, index: MetaIndex,
+                 sessions: SessionBook, speeds: SpeedBook, reuse: ReuseWatch, routers: RouterModels,
+                 saver: Saver) -> None:
+        self.settings = settings
+        self.backends = list(backends)
+        self.pool = pool
+        self.index = index
+        self.sessions = sessions
+        self.speeds = speeds
+        self.reuse = reuse
+        self.routers = routers
+        self.saver = saver
+        self.server_caches = saver.server_caches
+        index.held = self.held_keys
+        saver.save_later = self.save_later
+
+    def held_keys(self) -> list[str]:
+        """The prefix caches whose files can go first when the index's limits bite, because an idle slot holds
+        them, or a cache that continues them, and saves it before anything replaces it (`prepare`): first the files
+        a slot's cache holds all of but a short end (with SAVE_POLICY=evict, its conversation's earlier turn,
+        restored into it: an unsaved cache is saved before it is replaced anyway, so they go for nothing), then the
+        slots' own files (saved again then)."""
+        covered, own = self._held()
+        return covered + own
+
+    def _held(self) -> tuple[list[str], list[str]]:
+        """(files a slot's cache holds all of but a short end, the slots' own files), of the idle slots that save
+        their cache before anything replaces it. None with REDIS_URL: another replica replaces a slot without
+        saving what this one left there (it does not know its prompt); nor at shutdown: a slot saved then is
+        never replaced, its file would just go."""
+        covered: list[str] = []
+        own: list[str] = []
+        if self.pool.claims is not None or self.saver.stopping:
+            return covered, own
+        for s in self.pool.slots:
+            content = s.content
+            if s.busy or content is None or not resavable(content) or not self.enabled(self.backends[s.backend],
+                                                                                       content.model):
+                continue
+            if content.saved:
+                own.append(content.key)
+            covered += [k for k in self.index.covered(content.fingerprint, content.chain) if k != content.key]
+        return covered, own
+
+    def save_later(self, backend: Backend, content: Content) -> bool:
+        """Whether a cache just computed (SAVE_POLICY=eager), or idle (SAVE_IDLE_SECONDS), stays unsaved in its slot
+        until the slot is needed: META_MAX is reached and nothing a later turn moved on from, or that a slot's
+        unsaved cache holds, can go instead, so the save would make room by deleting the file of a cache an idle
+        slot holds (its own, once its slot is idle again, or another's), and that slot saves it again before
+        anything replaces it (`prepare`). Two writes would keep the caches one write keeps later, when the slot is
+        needed and what goes is chosen by the replacement order."""
+        if content.prompt is None or self.pool.claims is not None or self.saver.stopping:
+            return False
+        excess = self.index.excess_after(content.prompt, content.key, backend.url, backend.config.slot_save_path,
+                                         content.fingerprint, content.tokens)
+        if excess <= 0:
+            return False
+        covered, _ = self._held()
+        in_use = self.index.files_in_use()
+        return excess > len({k for k in covered if k in self.index and k not in in_use})
+
+    # ---- what may be cached where ----
+
+    def enabled(self, backend: Backend, model: str) -> bool:
+        """Save and restore for this backend and model: its model's identity is known, BACKENDS does not turn it
+        off, the server can (it did not answer 501), and its restores are not found useless."""
+        return (backend.kv_cache and not backend.saves_off and backend.identity(route_name(model)) is not None
+                and self.reuse.enabled(backend.index, RouterModels.served(backend, model)))
+
+    def lookup(self, prompt: Prompt) -> Callable[[], Candidate | None]:
+        """The best saved cache for the prompt, found anew each time it is called (when a slot is handed out)."""
+        readers = [b for b in self.backends if self.enabled(b, prompt.model)]
+        fingerprints = {fp for b in readers if (fp := b.identity(route_name(prompt.model))) is not None}
+
+        def usable(e: MetaEntry) -> bool:
+            return any((e.foreign or e.fingerprint == b.identity(route_name(prompt.model)))
+                       and e.readable_by(b.url, b.config.slot_save_path) for b in readers)
+
+        def find() -> Candidate | None:
+            return self.index.find(prompt, fingerprints, usable, self.settings.lcp_th) if readers else None
+
+        return find
+
+    def pays(self, prompt: Prompt) -> Callable[[Slot, Candidate, int], bool]:
+        """Whether restoring a candidate into a slot beats prefilling the blocks it brings beyond the best resident
+        slot, at that backend's speeds."""
+
+        def pays(slot: Slot, candidate: Candidate, gained: int) -> bool:
+            backend = self.backends[slot.backend]
+            speeds = self.speeds.of(backend.index, RouterModels.served(backend, prompt.model))
+            entry = candidate.entry
+            file_tokens = entry.n_tokens or round(speeds.tokens_of(len(entry.exact) or candidate.shared))
+            if speeds.restore_pays(file_tokens, speeds.tokens_of(gained)):
+                return True
+            log.info("restore_skipped backend=%s file=%s file_tokens=%d gained_blocks=%d %s: the prefill is faster",
+                     backend.url, entry.key[:16], file_tokens, gained,
+                     " ".join(f"{k}={v:.3f}" for k, v in speeds.describe().items() if v is not None))
+            return False
+
+        return pays
+
+    def budget(self, prompt: Prompt) -> Budget:
+        """How long waiting for a busy slot that brings `blocks` more of the prompt may take: the prefill of those
+        blocks at the learnt speed (capped by SLOT_AFFINITY_WAIT), and nothing when the slot is expected to stay
+        busy longer. Before the speeds are known, only a slot being saved is waited for. `beside`: see
+        `beside_wait`."""
+        cap = self.settings.slot_affinity_wait
+
+        def budget(slot: Slot | None, blocks: int, beside: bool) -> float:
+            if slot is None or cap <= 0 or blocks <= 0:
+                return 0.0
+            backend = self.backends[slot.backend]
+            speeds = self.speeds.of(backend.index, RouterModels.served(backend, prompt.model))
+            benefit = speeds.prefill.seconds(speeds.tokens_of(blocks))
+            if beside and slot.phase != "save":
+                return min(cap, beside_wait(slot, speeds.tokens_of(len(prompt.exact)), blocks, speeds))
+            if benefit is None:
+                return cap if slot.phase == "save" else 0.0
+            if slot.free_at is not None and slot.free_at - time.monotonic() >= benefit:
+                return 0.0
+            if slot.free_at is None and slot.phase != "save":
+                # its answer's length: its max_tokens when it said, else a short one, at least
+                generate = speeds.generate.seconds(min(slot.answer_tokens or 64, 64))
+                if generate is None or generate >= benefit:
+                    return 0.0
+            return min(cap, benefit)
+
+        return budget
+
+    # ---- the slot ----
+
+    async def take_slot(self, prompt: Prompt, record: RequestRecord, allowed: Callable[[Slot], bool] | None = None,
+                        want: Content | None = None, answer_tokens: int | None = None) -> Choice:
+        session = want.key if want is not None else None
+        homes = self.session_homes(want)
+        asked = Want(prompt, self.lookup(prompt) if want is None else (lambda: None), allowed, session, homes,
+                     self.pays(prompt), self.index.protect, self.index.unprotect,
+                     (lambda: self.warm(prompt)) if want is None else None, self.index.__contains__)
+        asked.answer_tokens = answer_tokens
+
+        def plan_again() -> WaitPlan | None:
+            return wait_plan(self.pool.slots, prompt, asked.lookup(), allowed, session, homes, self.budget(prompt))
+
+        plan = plan_again()
+        started = time.perf_counter()
+        try:
+            choice, planned = await self.pool.take(asked, plan, replan=plan_again)
+        except SlotsBusy:
+            record.reason = "slot_timeout"
+            raise
+        if want is None:
+            choice = await self.after_save_under_way(choice, asked, prompt)
+        if plan is not None and not planned:
+            log.info("own_slot_still_busy key=%s plan_s=%.2f waited_s=%.2f: the busy slot that holds more of the "
+                     "prompt was not free within plan_s (what waiting for it could spare), or went to a request ahead "
+                     "in line; the request took the first slot to come free (waited_s: both waits)", prompt.key[:16],
+                     plan.seconds, time.perf_counter() - started)
+        if homes and choice.slot.backend not in homes:
+            budget = self.budget(prompt)
+            log.info("session_away file=%s slot=%s homes=%s plan=%s waited=%s home_slots=%s speeds=%s: the session's "
+                     "newest file is not on this server; its prompt is computed (after an older copy of the file "
+                     "where this server's folder has one)", session, choice.slot.name, sorted(homes),
+                     None if plan is None else round(plan.seconds, 2), planned,
+                     ",".join(f"{s.name}:{'busy' if s.busy else 'elsewhere' if s.taken else 'idle'}/{s.phase or '-'}"
+                              f"/budget={budget(s, len(prompt.exact), False):.2f}/answer={s.answer_tokens}"
+                              f"/free_in={None if s.free_at is None else round(s.free_at - time.monotonic(), 2)}"
+                              for s in self.pool.slots if s.backend in homes),
+                     ";".join(f"{h}:" + ",".join(f"{k.split('_')[0]}={v:.2f}" for k, v in self.speeds.of(
+                         h, RouterModels.served(self.backends[h], prompt.model)).describe().items() if v is not None)
+                              for h in sorted(homes)))
+        self.saver.cancel_idle_save(choice.slot)
+        choice.slot.pending = want or Content(prompt.key, prompt.exact)
+        choice.slot.phase, choice.slot.free_at = "prefill", None
+        brought = choice.restore.shared if choice.restore is not None else choice.resident
+        choice.slot.stream = bool(record.stream)
+        choice.slot.answer_tokens = answer_tokens
+        choice.slot.computing = max(0, len(choice.slot.pending.chain) - brought)
+        record.backend, record.slot = self.backends[choice.slot.backend].url, choice.slot.id
+        record.restore_skipped = choice.skipped or None
+        record.route = ("waited_" if planned else "") + route_of(choice, want)
+        if choice.warm:
+            speeds = self.speeds.of(choice.slot.backend, RouterModels.served(self.backends[choice.slot.backend],
+                                                                             prompt.model))
+            record.ram_expected = speeds.tokens_of(choice.warm_blocks)
+        if choice.restore is not None:
+            c = choice.restore
+            log.info("restore_candidate key=%s shared_blocks=%d of=%d ratio=%.3f exact=%s", c.entry.key[:16],
+                     c.shared, len(prompt.exact), c.ratio, str(c.exact).lower())
+        return choice
+
+    async def after_save_under_way(self, choice: Choice, asked: Want, prompt: Prompt) -> Choice:
+        """A slot whose answer is over and whose cache is being saved (`phase` "save") may hold more of the prompt
+        than the chosen slot or file brings: an agent's next session sent the moment the previous answer ended, while
+        the one request allowed to wait for that slot waits for it. Its file is on disk in a moment (a save takes a
+        fraction of the prefill it spares): wait for that slot's release, at most the prefill of what it brings more
+        (SLOT_AFFINITY_WAIT before the speeds are learnt), then choose what to restore into this slot again."""
+        cap = self.settings.slot_affinity_wait
+        if cap <= 0 or not prompt.exact:
+            return choice
+        mine = choice.slot
+        brought = choice.restore.shared if choice.restore is not None else choice.resident
+        least = max(1, math.ceil(RESIDENT_MIN_SHARE * len(prompt.exact)))
+        best, more = None, 0
+        for other in self.pool.slots:
+            held = other.pending or other.content
+            if other is mine or not other.busy or other.phase != "save" or held is None or held.session is not None \
+                    or other.slot_save_path != mine.slot_save_path or not mine.kv_cache:
+                continue
+            shared = common_prefix(held.chain, prompt.exact)
+            if shared >= least and shared - brought > more:
+                best, more = other, shared - brought
+        if best is None:
+            return choice
+        backend = self.backends[mine.backend]
+        speeds = self.speeds.of(backend.index, RouterModels.served(backend, prompt.model))
+        spared = speeds.prefill.seconds(speeds.tokens_of(more))
+        started = time.perf_counter()
+        mine.pending = Content(prompt.key, prompt.exact)   # what other requests see in it meanwhile
+        try:
+            released = await self.pool.until_released(best, cap if spared is None else min(cap, spared))
+        except BaseException:   # cancelled (the client left): the slot goes back as it was
+            self.release_choice(choice)
+            self.pool.release(mine, True, used=False)
+            raise
+        log.info("waited_for_save slot=%s saving=%s blocks=%d released=%s ms=%.1f: a slot being saved held more of "
+                 "the prompt than this one or its best file", mine.name, best.name, more, str(released).lower(),
+                 (time.perf_counter() - started) * 1000.0)
+        self.release_choice(choice)
+        return asked.choose([mine], self.pool.load())
+
+    def warm(self, prompt: Prompt) -> tuple[int, int, bool] | None:
+        """The server whose RAM prompt cache likely holds the longest prefix of the prompt (`server_cache`), how
+        much of it, and whether its RAM is relied on over a disk restore (`RamWatch.rely`: its recent misses,
+        weighed by the prefill a miss costs, against a restore's time). Not probed here: this is asked on every
+        choice, also where nothing is left to the RAM, and a probe is paid for once (`RamWatch.probe`)."""
+        found = self.server_caches.find(prompt.exact)
+        if found is None:
+            return None
+        backend = self.backends[found[0]]
+        speeds = self.speeds.of(backend.index, RouterModels.served(backend, prompt.model))
+        return found[0], found[1], self.rely_on_ram(backend, speeds, found[1])
+
+    def rely_on_ram(self, backend: Backend, speeds: Speeds, blocks: int, probe: bool = False,
+                    file_tokens: float | None = None) -> bool:
+        """Whether to leave `blocks` of a prompt to the server's RAM prompt cache rather than restore them from a
+        file (`server_cache.RamWatch`); with `probe`, also to find out whether that RAM serves (`RamWatch.probe`:
+        the caller is about to restore, and its slot holds something, so the server will look in its RAM).
+        `file_tokens`: the file holds only that many of their tokens (an older turn of a session whose last one was
+        left to the RAM): the restore's side also prefills the rest."""
+        tokens = speeds.tokens_of(blocks)
+        prefill = speeds.prefill.seconds(tokens)
+        held = tokens if file_tokens is None else min(file_tokens, tokens)
+        rest = speeds.prefill.seconds(tokens - held) if held < tokens else 0.0
+        restore = speeds.restore.seconds(held)
+        if restore is not None and rest is not None:
+            restore += (speeds.wait_ms or 0.0) / 1000.0 + rest
+        else:
+            restore = None   # one side unknown: nothing to weigh
+        now = time.monotonic()
+        if backend.ram.rely(prefill, restore, now):
+            return True
+        if restore is None and rest and backend.ram.rely(prefill, rest, now):
+            return True   # no restore measured yet, but the prefill of what the file lacks alone costs more
+        if probe and backend.ram.probe(prefill, now):
+            log.info("ram_probe url=%s blocks=%d tokens=%d: left to llama-server's RAM prompt cache rather than "
+                     "restored, to learn whether it serves (%d probes)", backend.url, blocks, tokens,
+                     backend.ram.probes)
+            return True
+        return False
+
+    def session_homes(self, want: Content | None) -> frozenset[int]:
+        """The backends whose slot-save folder has the session's newest file (where it was last saved, or a folder
+        shared with that backend). A copy another server saved before it is older: restoring it would compute again
+        the turns saved since, so such a server is no home to choose or wait for."""
+        info = self.sessions.get(want.key) if want is not None else None
+        if info is None or not info.homes:
+            return frozenset()
+        newest = {info.latest} if info.latest is not None and info.latest < len(self.backends) else info.homes
+        paths = {self.backends[i].config.slot_save_path for i in newest} - {None}
+        return frozenset(b.index for b in self.backends
+                         if b.index in newest or b.config.slot_save_path in paths)
+
+    def release_choice(self, choice: Choice) -> None:
+        """The request gave up its slot before the restore ran: its candidate is no longer protected."""
+        if choice.restore is not None:
+            self.index.unprotect(choice.restore.entry.key)
+
+    # ---- filling it ----
+
+    async def prepare(self, choice: Choice, backend: Backend, prompt: Prompt, want: Content | None,
+                      record: RequestRecord) -> None:
+        """Make the slot hold the best cache for the request before it is sent: in session mode swap the session
+        in; in prefix mode restore the chosen saved cache. Either way, what the slot holds is saved first when it
+        is worth keeping, unsaved (SAVE_POLICY=evict, or a small session request) or its file deleted by the limits
+        meanwhile, and about to be replaced."""
+        try:
+            await self.routers.make_room(backend, prompt.model)
+            if not self.enabled(backend, prompt.model):
+                return
+            if not self.pool.ours(choice.slot):
+                # the slot's lease lapsed (Redis down or stalled past SLOT_LEASE_MS): another replica may use it
+                # now, so nothing is saved from it or restored into it; the prompt is computed
+                log.warning("slot_fill_skipped_lease slot=%s: the slot's lease lapsed", choice.slot.name)
+                choice.slot.content = None
+                return
+            if want is not None:
+                if want.fingerprint is not None and backend.identity(route_name(prompt.model)) != want.fingerprint:
+                    # this backend runs another model than the one the session's file was named for: never
+                    # restore it here, and what the slot will hold is not that file's
+                    choice.slot.content = None
+                    return
+                await self.swap_session(choice, backend, prompt, want, record)
+                return
+            slot, restoring = choice.slot, choice.restore is not None
+            held = slot.content
+            if restoring and held is not None and self.ram_keeps(backend, slot, held):
+                held = slot.content = replace(held, keep=True)   # the restore would lose it: saved first
+            if held is not None and self.saver.unsaved(held) and (
+                    restoring or common_prefix(held.chain, prompt.exact) < len(held.chain)):
+                await self.saver.save_held(backend, slot, held, record)
+            if restoring and not self.pool.ours(slot):   # lapsed during the save
+                log.warning("restore_skipped_lease slot=%s: the slot's lease lapsed; its prompt is computed",
+                            slot.name)
+            elif restoring:
+                await self.restore(choice, backend, prompt, record)
+        finally:
+            self.release_choice(choice)
+            # after the restore's I/O: the meta entry of what the slot held (`saved_held`, spawned) is in the index
+            self.pool.handed_over(choice.slot)
+
+    @staticmethod
+    def in_ram(backend: Backend, slot: Slot) -> bool:
+        """Whether the server has likely copied what the idle `slot` holds to its RAM prompt cache already: with
+        `--cache-idle-slots` (on with the RAM cache, by default) it copies every idle slot there whenever a request
+        starts, so a request sent to it after this slot's last one ended did. A restore replaces a slot's cache
+        without copying it; only then is that cache lost to the RAM. Not for a server whose RAM has missed every
+        prompt left to it lately (one started with `--cache-ram 0` copies nothing)."""
+        recent = backend.ram.recent(time.monotonic())
+        return (not recent or any(recent)) and backend.launched_at > slot.last_used > 0.0
+
+    def restored_over(self, backend: Backend, previous: Content | None, idle_copied: bool) -> None:
+        """A restore replaced `previous` in a slot without the server copying it to its RAM: unless the server had
+        copied it there as an idle slot already (`in_ram`, read before the restore), it is no longer there."""
+        if previous is not None and not idle_copied:
+            self.server_caches.gone(backend.index, previous.chain)
+
+    def ram_keeps(self, backend: Backend, slot: Slot, held: Content) -> bool:
+        """What the slot holds was left unsaved because the server's RAM prompt cache serves the returns (not worth
+        a file while it does), and is not in that RAM yet (`in_ram`): a restore would replace it without the server
+        copying it there, so it is saved first."""
+        if held.saved or held.keep or not held.tokens or not backend.ram.served or self.in_ram(backend, slot):
+            return False
+        return held.session is not None or held.prompt is not None   # a prefix cache's meta file needs its prompt
+
+    async def restore(self, choice: Choice, backend: Backend, prompt: Prompt, record: RequestRecord) -> None:
+        """Load the chosen saved cache into the slot. A file that is gone is not asked for; a restore that fails
+        (the server then clears the slot) gets the slot's previous content back when that is on disk."""
+        assert choice.restore is not None
+        candidate, slot = choice.restore, choice.slot
+        entry = candidate.entry
+        present = await asyncio.to_thread(self.index.file_present, entry, slot.slot_save_path)
+        if entry.key not in self.index or present is False:
+            self.index.lost += 1
+            record.restore_lost = True
+            log.warning("restore_lost key=%s slot=%s: the chosen cache's file is gone (%s); the slot keeps what it "
+                        "holds and the prompt is computed", entry.key[:16], slot.name,
+                        "its entry was removed" if entry.key not in self.index else "not in the folder")
+            if entry.key in self.index:
+                await self.index.discard_if_stale(entry.key)
+            return
+        previous = slot.content
+        self.restored_over(backend, previous, self.in_ram(backend, slot))
+        model = RouterModels.slot_model(backend, prompt.model)
+        result = await swap.restore_file(backend.client, slot.id, entry.key, model)
+        self.note_restore(backend, prompt.model, result, record)
+        log.info("restore_before_chat key=%s slot=%s ok=%s n_restored=%s ms=%.1f%s", entry.key[:16], slot.name,
+                 str(result.ok).lower(), result.body.get("n_restored"), result.ms,
+                 "" if result.ok else f" reason={result.error!r}")
+        record.restore_share = candidate.ratio
+        record.restore_exact = candidate.exact
+        record.restore_file = entry.key
+        if result.ok:
+            restored_tokens = record.restored_tokens or 0
+            share = candidate.shared / max(len(entry.exact), 1) if candidate.exact else candidate.ratio
+            record.restore_expected = min(restored_tokens, entry.n_tokens or restored_tokens) * min(share, 1.0)
+            chain = entry.exact if candidate.exact else ()
+            slot.content = Content(entry.key, chain, saved=True, keep=True, model=prompt.model,
+                                   tokens=int_or_none(result.body.get("n_restored")), fingerprint=entry.fingerprint)
+            record.cache_hit = candidate.exact
+            self.saver.spawn(self.index.touch(entry.key))  # the file timestamp is rewritten off the path
+            return
+        log.warning("restore_failed key=%s slot=%s status=%s reason=%r: the server cleared the slot", entry.key[:16],
+                    slot.name, result.status, result.error)
+        slot.content = None
+        await self.index.discard_if_stale(entry.key)
+        if previous is not None and previous.saved:
+            back = await swap.restore_file(backend.client, slot.id, previous.key, model)
+            if back.ok:
+                slot.content = previous
+                log.info("restore_back key=%s slot=%s: the slot holds its previous cache again", previous.key[:16],
+                         slot.name)
+
+    def note_restore(self, backend: Backend, model: str, result: SlotAction, record: RequestRecord) -> None:
+        """A restore's answer, in the record and (when it worked) in the backend's restore speed."""
+        slot_files_off(backend, result)
+        record.restored, record.restore_ms = result.ok, result.ms
+        record.restore_bytes = int_or_none(result.body.get("n_read"))
+        record.restored_tokens = int_or_none(result.body.get("n_restored"))
+        if result.ok:
+            speeds = self.speeds.of(backend.index, RouterModels.served(backend, model))
+            speeds.restore.add(result.work_ms, record.restored_tokens or 0)
+            speeds.learn_wait(result.ms, result.work_ms)
+            backend.ram.restored(speeds.prefill.seconds(record.restored_tokens or 0))
+
+    async def swap_session(self, choice: Choice, backend: Backend, prompt: Prompt, want: Content,
+                           record: RequestRecord) -> None:
+        slot = choice.slot
+        info = self.sessions.get(want.key)
+        restore = True
+        if info is not None and (slot.content is None or slot.content.key != want.key):
+            speeds = self.speeds.of(backend.index, RouterModels.served(backend, prompt.model))
+            found = self.server_caches.find(prompt.exact)
+            shares = common_prefix(slot.content.chain, prompt.exact) if slot.content is not None else 0
+            if found is not None and (found[0] != backend.index or found[1] < shares + 2):
+                found = None   # not this server's, or no more than the slot itself holds (a shared system prompt)
+            file_tokens: float | None = None   # what the session's file holds of the prompt, to weigh the RAM with
+            if info.saved_chain:
+                gained = common_prefix(info.saved_chain, prompt.exact)
+                restore = speeds.restore_pays(round(speeds.tokens_of(len(info.saved_chain))),
+                                              speeds.tokens_of(gained))
+                record.restore_skipped = not restore or None
+                if restore and found is not None and found[1] >= gained:
+                    file_tokens = speeds.tokens_of(gained)
+            elif found is not None and info.saved_tokens:
+                # its file holds a prompt shorter than one identity block (an opening of a few words, a real chat's
+                # "hi", and its answer), so its chain says nothing, and the server held more of the session since
+                # (`found`): a turn left unsaved to the RAM. Restoring that file blindly threw the turn away (539 of
+                # 609 tokens computed again on a ShareGPT run); it is weighed by its tokens like any older file (a
+                # file another replica saved, whose tokens are not known here, is restored)
+                file_tokens = info.saved_tokens
+            elif found is not None and slot.content is not None:
+                # no file to restore (none was worth saving): the server's RAM is the only place the prompt can come
+                # from, and what it does is seen for free, misses included (`RamWatch.miss_rate` says what a file
+                # would spare)
+                record.ram_expected = speeds.tokens_of(found[1])
+            if file_tokens is not None and found is not None and slot.content is not None and \
+                    self.rely_on_ram(backend, speeds, found[1], probe=True, file_tokens=file_tokens):
+                # the server's RAM likely holds the session's prompt: the pinned request finds it there
+                restore = False
+                record.ram_expected = speeds.tokens_of(found[1])
+                record.route = "session_server_ram"
+        held = slot.content
+        if restore and info is not None and (info.saved_chain or info.homes) and held is not None and \
+                held.key != want.key and self.ram_keeps(backend, slot, held):
+            slot.content = replace(held, keep=True)   # the restore would lose it: saved first
+        if not self.pool.ours(slot):
+            slot.content = None
+            return
+        if slot.content is not None and slot.content.dirty and slot.content.session is None:
+            await self.saver.index.saving(slot.content.key, backend.config.slot_save_path)   # may be saved here
+
+        async def held_saved(so_far: swap.Swap) -> None:
+            # bring_in calls this right after any save of what the slot held: the bookkeeping is done here, before
+            # the hand-over wakes the requests that look for that file
+            if so_far.saved is not None and slot.content is not None:
+                self.saver.saved_held(backend, slot, slot.content, so_far.saved, record)
+            self.pool.handed_over(slot)
+            for other in self.pool.slots:
+                if other.filling is not None and other.content is not None and other.content.key == want.key:
+                    # the session's last turn is in a slot just handed to another request, which saves it first
+                    await other.filling.wait()
+
+        previous, idle_copied = slot.content, self.in_ram(backend, slot)
+        result = await swap.bring_in(backend.client, slot.id, slot.content, want, self.saver.folders[backend.index],
+                                     RouterModels.slot_model(backend, prompt.model), restore=restore, owned=True,
+                                     held_saved=held_saved)
+        slot.content = result.held
+        restored = result.restored
+        if restored is not None:
+            self.restored_over(backend, previous, idle_copied)
+            self.note_restore(backend, prompt.model, restored, record)
+            record.restore_exact = True
+            # a copy an earlier turn left in this server's folder, older than the one saved since on another
+            # server's: it spares what it holds, and what that is the newest file's chain does not say
+            newest = info is not None and backend.index in self.session_homes(want)
+            if info is not None and newest and info.saved_chain and prompt.exact:
+                shared = common_prefix(info.saved_chain, prompt.exact)
+                record.restore_share = shared / len(prompt.exact)
+                record.restore_expected = (record.restored_tokens or 0) * shared / len(info.saved_chain)
+            if restored.ok and info is not None:
+                info.restores += 1
+                if slot.content is not None:
+                    slot.content = replace(slot.content, chain=info.saved_chain if newest else (),
+                                           tokens=int_or_none(restored.body.get("n_restored")))
+        hit = result.skipped == "resident" or bool(restored is not None and restored.ok)
+        record.cache_hit = hit
+        if info is not None and hit:
+            info.cache_hits += 1
+
+    # ---- after the answer: did the slot hold what lpcache believed? ----
+
+    def judge(self, choice: Choice, backend: Backend, prompt: Prompt, record: RequestRecord) -> None:
+        """Check `cache_n` against what the slot was believed to hold (`cache_outcome`)."""
+        cache_outcome.judge(choice, backend, prompt, record, self.index, self.speeds, self.reuse, self.saver)
