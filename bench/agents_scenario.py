@@ -201,8 +201,7 @@ def markdown(report: dict[str, Any], machine: str, minutes: float) -> str:
     lines = [
         START, "", "## Agent sessions through the Responses and Messages APIs (`bench/scenarios.py --only agents`)",
         "", f"{machine}. Whole run: {minutes:.0f} minutes.", "",
-        f"Workload (`lpcache.workloads.agents`): {st['sessions']} coding-agent sessions sharing one harness, a system "
-        "prompt "
+        f"Workload (`workloads.agents`): {st['sessions']} coding-agent sessions sharing one harness, a system prompt "
         f"and eight tool schemas (read_file, write_file, apply_patch, run_shell, search_code, list_dir, glob_files, "
         f"todo_write). Each session is a task and {st['steps']} tool exchanges, so {st['steps'] + 1} requests, "
         f"{requests} in all: each request is the previous one plus a scripted tool call and its result (numbered "

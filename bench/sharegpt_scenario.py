@@ -352,9 +352,8 @@ def commit_of() -> str:
 
 
 def lpcache_source() -> str:
-    """Which lpcache the runs start: `python -m lpcache` of this interpreter, the checkout's
-    (lpcache.workloads.harness's
-    REPO), at its commit."""
+    """Which lpcache the runs start: `python -m lpcache` of this interpreter, the checkout's (the harness's REPO), at
+    its commit."""
     return f"{REPO} at {commit_of()}"
 
 

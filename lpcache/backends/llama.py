@@ -79,6 +79,11 @@ class SlotAction:
                     return float(value)
         return self.ms
 
+    def count(self, name: str) -> int | None:
+        """A count the server reports (`n_saved`, `n_written`, `n_restored`, `n_read`): an int, else None."""
+        value = self.body.get(name)
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
     @property
     def error(self) -> str:
         err = self.body.get("error")

@@ -68,10 +68,6 @@ def slot_files_off(backend: Backend, result: SlotAction) -> None:
                     "stops saving and restoring there until it restarts", backend.url)
 
 
-def int_or_none(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
 class Saver:
     def __init__(self, settings: Settings, backends: Sequence[Backend], pool: SlotPool, index: MetaIndex,
                  sessions: SessionBook, speeds: SpeedBook, folders: Sequence[swap.Folders],
@@ -241,7 +237,7 @@ class Saver:
         info = self.sessions.get(content.key)
         if info is not None:
             self.sessions.saved(info, backend.index, record.save_bytes, content.chain,
-                                int_or_none(result.body.get("n_saved")) or content.tokens)
+                                result.count("n_saved") or content.tokens)
         return replace(content, saved=True)
 
     async def save(self, choice: Choice, backend: Backend, prompt: Prompt, content: Content,
@@ -269,8 +265,8 @@ class Saver:
                 log.info("slot_saved key=%s slot=%s n_saved=%s bytes=%s ms=%.1f", content.key[:16], slot.name,
                          result.body.get("n_saved"), result.body.get("n_written"), result.ms)
                 self.spawn(self.index.add(prompt, content.key, backend.url, backend.config.slot_save_path,
-                                          content.fingerprint, int_or_none(result.body.get("n_saved")),
-                                          int_or_none(result.body.get("n_written")),
+                                          content.fingerprint, result.count("n_saved"),
+                                          result.count("n_written"),
                                           self.file_worth(backend, content.model, result)))
                 return replace(content, saved=True)
             log.warning("slot_save_failed key=%s slot=%s attempt=%d/%d status=%s reason=%r", content.key[:16],
@@ -289,14 +285,14 @@ class Saver:
     def file_worth(self, backend: Backend, model: str, result: SlotAction) -> float | None:
         """What a file just saved spares per byte, for the replacement order (`eviction`)."""
         return self.worth.per_byte(self.speeds.of(backend.index, RouterModels.served(backend, model)),
-                                   int_or_none(result.body.get("n_saved")), int_or_none(result.body.get("n_written")))
+                                   result.count("n_saved"), result.count("n_written"))
 
     def record_save(self, backend: Backend, content: Content, result: SlotAction, record: RequestRecord) -> None:
         record.saved, record.save_ms, record.save_file = result.ok, result.ms, content.key
-        record.save_bytes = int_or_none(result.body.get("n_written"))
+        record.save_bytes = result.count("n_written")
         if result.ok:
             speeds = self.speeds.of(backend.index, RouterModels.served(backend, content.model))
-            speeds.save.add(result.work_ms, int_or_none(result.body.get("n_saved")) or 0)
+            speeds.save.add(result.work_ms, result.count("n_saved") or 0)
             speeds.learn_wait(result.ms, result.work_ms)
 
     # ---- what the slot held, saved before it is replaced ----
@@ -363,7 +359,7 @@ class Saver:
         """Bookkeeping after the slot's previous cache was saved under its own name: its meta file (a prefix
         cache) or its session entry; a failed save of a prefix cache may have left a partial file."""
         slot_files_off(backend, result)
-        n_written = int_or_none(result.body.get("n_written"))
+        n_written = result.count("n_written")
         if record is not None:
             record.swap_saved, record.swap_save_ms, record.swap_save_bytes = result.ok, result.ms, n_written
         else:
@@ -378,10 +374,10 @@ class Saver:
                 info = self.sessions.get(held.key)
                 if info is not None:
                     self.sessions.saved(info, backend.index, n_written, held.chain,
-                                        int_or_none(result.body.get("n_saved")) or held.tokens)
+                                        result.count("n_saved") or held.tokens)
             elif held.prompt is not None:
                 self.spawn(self.index.add(held.prompt, held.key, backend.url, path, held.fingerprint,
-                                          int_or_none(result.body.get("n_saved")), n_written,
+                                          result.count("n_saved"), n_written,
                                           self.file_worth(backend, held.model, result)))
         elif held.session is None:
             self.spawn(self.index.forget(held.key, path))

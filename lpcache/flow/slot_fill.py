@@ -50,7 +50,7 @@ from lpcache.config import Settings
 from lpcache.errors import SlotsBusy
 from lpcache.flow import cache_outcome
 from lpcache.flow.record import RequestRecord
-from lpcache.flow.saving import Saver, int_or_none, resavable, slot_files_off
+from lpcache.flow.saving import Saver, resavable, slot_files_off
 
 log = logging.getLogger("lpcache.slot_fill")
 
@@ -443,7 +443,7 @@ class SlotFiller:
             record.restore_expected = min(restored_tokens, entry.n_tokens or restored_tokens) * min(share, 1.0)
             chain = entry.exact if candidate.exact else ()
             slot.content = Content(entry.key, chain, saved=True, keep=True, model=prompt.model,
-                                   tokens=int_or_none(result.body.get("n_restored")), fingerprint=entry.fingerprint)
+                                   tokens=result.count("n_restored"), fingerprint=entry.fingerprint)
             record.cache_hit = candidate.exact
             self.saver.spawn(self.index.touch(entry.key))  # the file timestamp is rewritten off the path
             return
@@ -462,8 +462,8 @@ class SlotFiller:
         """A restore's answer, in the record and (when it worked) in the backend's restore speed."""
         slot_files_off(backend, result)
         record.restored, record.restore_ms = result.ok, result.ms
-        record.restore_bytes = int_or_none(result.body.get("n_read"))
-        record.restored_tokens = int_or_none(result.body.get("n_restored"))
+        record.restore_bytes = result.count("n_read")
+        record.restored_tokens = result.count("n_restored")
         if result.ok:
             speeds = self.speeds.of(backend.index, RouterModels.served(backend, model))
             speeds.restore.add(result.work_ms, record.restored_tokens or 0)
@@ -549,7 +549,7 @@ class SlotFiller:
                 info.restores += 1
                 if slot.content is not None:
                     slot.content = replace(slot.content, chain=info.saved_chain if newest else (),
-                                           tokens=int_or_none(restored.body.get("n_restored")))
+                                           tokens=restored.count("n_restored"))
         hit = result.skipped == "resident" or bool(restored is not None and restored.ok)
         record.cache_hit = hit
         if info is not None and hit:

@@ -1,5 +1,4 @@
-"""What a coding agent's harness says and what its tools return, for `lpcache.workloads.agents` (deterministic from an
-rng).
+"""What a coding agent's harness says and what its tools return, for `workloads.agents` (deterministic from an rng).
 
 Realistic text, not tidy word lists: a system prompt as coding agents write them, tool schemas with long
 descriptions, and tool results as real tools print them (numbered Python, TypeScript and Rust source with Unicode

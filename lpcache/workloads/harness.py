@@ -27,7 +27,7 @@ from typing import Any
 import orjson
 import uvicorn
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]   # the checkout: lpcache/workloads/harness.py
 GET_LLAMA = REPO / "scripts" / "get-llama-server.sh"
 
 

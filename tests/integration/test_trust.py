@@ -1,7 +1,6 @@
 """Cache decisions on traffic as clients really send it (lpcache.workloads.chats: mixed case, punctuation, Unicode,
-code,
-several system messages, tools, tool calls and results, names, images), against the stand-in, which renders all of
-it into its prompt as a chat template does.
+code, several system messages, tools, tool calls and results, names, images), against the stand-in, which renders
+all of it into its prompt as a chat template does.
 
 Every "hit" must be one (the server took from the slot what lpcache believed it held), no near-duplicate may turn
 caching off, nothing sent past lpcache's pool may leave a false belief behind, a file of another model is never

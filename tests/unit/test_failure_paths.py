@@ -233,3 +233,10 @@ def test_a_fresh_connection_that_fails_is_not_sent_again() -> None:
         assert not result.ok and result.status == 0 and len(connections) == 1
 
     asyncio.run(run())
+
+
+def test_a_slot_action_count_is_an_int_the_server_reported_or_none() -> None:
+    """`n_saved` and the like as the server wrote them: a bool, a float, a string or nothing is not a count."""
+    action = SlotAction(True, 200, {"n_saved": 812, "n_written": True, "n_read": 3.0, "n_restored": "812"}, 1.0)
+    assert action.count("n_saved") == 812
+    assert [action.count(n) for n in ("n_written", "n_read", "n_restored", "missing")] == [None] * 4
