@@ -30,7 +30,7 @@ class Refused(Exception):
 
 
 class Claims(Protocol):
-    """Slot leases across replicas (`fleet.Fleet`, with REDIS_URL): a slot the pool hands out locally is claimed
+    """Slot leases across replicas (`fleet.replica.Fleet`, with REDIS_URL): a slot the pool hands out locally is claimed
     before use; another replica's live lease on it makes the pool choose again."""
 
     async def claim(self, slot: Slot, want: Want | None = None, restore: str | None = None) -> bool: ...

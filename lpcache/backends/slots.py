@@ -26,7 +26,7 @@ class Content:
     prompt: Prompt | None = None  # a prefix cache's prompt (for its meta file when it is saved later)
     model: str = ""               # the request's model: its route, and on a router the instance that holds it
     tokens: int | None = None     # tokens in the slot when known (checked against GET /slots n_prompt_tokens)
-    fingerprint: str | None = None  # the identity of the model that made it (`backends.Backend.fingerprint`)
+    fingerprint: str | None = None  # the identity of the model that made it (`backends.backend.Backend.fingerprint`)
 
     @property
     def dirty(self) -> bool:

@@ -83,7 +83,7 @@ class MetaIndex(MetaFiles, IndexLimits):
         # cache holds all of but a short end): they go early when the limits bite, since a slot's cache is saved
         # again before anything replaces it (see `_over_limit`).
         self.held: Callable[[], Collection[str]] = tuple
-        # With REDIS_URL (`fleet.Fleet.files_in_use`): the files other replicas' requests restore or save now.
+        # With REDIS_URL (`fleet.replica.Fleet.files_in_use`): the files other replicas' requests restore or save now.
         self.in_use_elsewhere: Callable[[], Collection[str]] = tuple
         # The usage of entries the limits deleted, by the digest their chain ended at: a conversation that comes
         # back with a new save takes its rhythm over (a deleted file would otherwise make it look brand new, and

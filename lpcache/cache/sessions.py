@@ -43,8 +43,8 @@ def route_name(model: str) -> str:
 
 def route_tag(route: str, fingerprint: str | None = None) -> str:
     """Readable and file-safe, told apart by a hash of the exact name and of the model's identity (when known,
-    `backends.model_fingerprint`): `Qwen3_8B-1a2b3c4d`. A model swapped behind the same name gets another tag, so
-    its sessions never restore the old model's files."""
+    `backends.backend.model_fingerprint`): `Qwen3_8B-1a2b3c4d`. A model swapped behind the same name gets another
+    tag, so its sessions never restore the old model's files."""
     ident = route if fingerprint is None else f"{route}\n{fingerprint}"
     return _UNSAFE.sub("_", route)[:ROUTE_TAG_CHARS] + "-" + hashlib.sha256(ident.encode()).hexdigest()[:8]
 

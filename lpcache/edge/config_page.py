@@ -132,7 +132,7 @@ def backend_table() -> list[str]:
     fields = [f.name for f in dataclasses.fields(BackendConfig)]
     missing = [name for name in fields if name not in BACKEND_KEYS]
     if missing:
-        raise SystemExit(f"lpcache.config_doc: describe the BACKENDS key(s) {', '.join(missing)} in BACKEND_KEYS")
+        raise SystemExit(f"lpcache.edge.config_page: describe the BACKENDS key(s) {', '.join(missing)} in BACKEND_KEYS")
     rows = ["| Key | Type | Default | Meaning |", "| --- | --- | --- | --- |"]
     for name in fields:
         kind, default, meaning = BACKEND_KEYS[name]

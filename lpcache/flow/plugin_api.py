@@ -1,4 +1,4 @@
-"""The plugin interface: what built-in and third-party plugins implement. Nothing here knows the pipeline.
+"""The plugin interface: what built-in and third-party plugins implement (they import it as `lpcache.plugins.base`).
 
 A plugin is a plain class named by `name`, built from its spec's `params` once at start (bad params raise
 `PluginError`, which stops start-up naming the plugin). It implements the hooks it needs:

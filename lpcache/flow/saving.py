@@ -87,7 +87,7 @@ class Saver:
         self.background = BackgroundSaves()
         self.server_caches = ServerCaches()
         # With REDIS_URL: the next name of a backend's ring of file names, for a backend whose slot-save folder
-        # lpcache cannot see (`fleet.Fleet.ring_name`); None: the prompt's own name; SharedStoreDown: not now.
+        # lpcache cannot see (`fleet.replica.Fleet.ring_name`); None: the prompt's own name; SharedStoreDown: not now.
         self.ring: Callable[[Backend], Awaitable[str | None]] | None = None
         # Whether a cache worth keeping stays unsaved in its slot for now (`slot_fill.SlotFiller.save_later`).
         self.save_later: Callable[[Backend, Content], bool] = lambda backend, content: False

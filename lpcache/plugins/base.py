@@ -1,4 +1,4 @@
-"""The plugin interface, at the path plugins import it from (`from lpcache.flow.plugin_api import Prefilter`).
+"""The plugin interface, at the path plugins import it from (`from lpcache.plugins.base import Prefilter`).
 
 It is defined in `lpcache.flow.plugin_api`, beside the request flow that calls it, so that the flow never imports
 the plugins' package; this module is its public name and stays one."""

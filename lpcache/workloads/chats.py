@@ -1,6 +1,6 @@
 """Chat-completions request bodies as real clients send them, deterministic from a seed (tests, benchmarks).
 
-Why: the older helpers (`testing.story`, the tests' `words`) build prompts of tidy, unique, lower-case words in one
+Why: the older helpers (`harness.story`, the tests' `words`) build prompts of tidy, unique, lower-case words in one
 role. Real traffic has mixed case, punctuation, Unicode (accents, combining marks, CJK, RTL, emoji), code blocks,
 markdown, several system messages, a `tools` array, tool calls and their results, `name` fields and images. It also
 has near-duplicates: the same words sent with another case, punctuation, role, tools, tool arguments, name or image.

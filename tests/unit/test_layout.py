@@ -116,3 +116,27 @@ def test_the_package_root_lists_its_layers() -> None:
     packages = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file())
     assert modules == ["__init__.py", "__main__.py", "errors.py"]
     assert packages == sorted([*PROXY, "mock_llama", "workloads"])
+
+
+def test_the_proxy_imports_no_old_path_and_not_the_package_root() -> None:
+    """import-linter reads `from lpcache import testing` and `import lpcache.demo` as imports of the package root,
+    which is in no layer: such an import (an old path of `config.moved`, loading the workloads or the edge at run
+    time) must not hide in the proxy."""
+    from lpcache.config.moved import MOVED, OLD_NAMES
+
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.relative_to(PACKAGE).parts[0] not in (*PROXY, "errors.py", "__main__.py"):
+            continue
+        for node in _run_nodes(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found += [(path.name, a.name) for a in node.names
+                          if a.name.removeprefix("lpcache.") in MOVED or a.name == "lpcache"]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                short = node.module.removeprefix("lpcache.")
+                if node.module == "lpcache" or short in MOVED:
+                    found.append((path.name, node.module))
+                elif short in OLD_NAMES:
+                    found += [(path.name, f"{node.module}.{a.name}") for a in node.names
+                              if not _is_module(f"{node.module}.{a.name}")]
+    assert found == []

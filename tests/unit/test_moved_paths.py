@@ -12,25 +12,72 @@ from importlib.metadata import entry_points
 import pytest
 
 import lpcache
-from lpcache import MOVED
+from lpcache.config.moved import MOVED, MovedModules
 
 
 @pytest.mark.parametrize("old", sorted(MOVED))
-def test_an_old_module_path_is_the_new_module_with_a_deprecation_warning(old: str) -> None:
+def test_an_old_module_path_gives_its_new_module_with_a_deprecation_warning(old: str) -> None:
     sys.modules.pop(f"lpcache.{old}", None)
-    with pytest.warns(DeprecationWarning, match=f"lpcache.{old} is now lpcache.{MOVED[old]}"):
+    news = [importlib.import_module(f"lpcache.{new}") for new in MOVED[old]]
+    with pytest.warns(DeprecationWarning, match=f"lpcache.{old} is now lpcache.{MOVED[old][0]}"):
         module = importlib.import_module(f"lpcache.{old}")
-    new = importlib.import_module(f"lpcache.{MOVED[old]}")
-    assert module is new
-    assert new.__spec__ is not None and new.__spec__.name == f"lpcache.{MOVED[old]}"   # not the old path's spec
+    if len(news) == 1:
+        assert module is news[0]
+        assert module.__spec__ is not None and module.__spec__.name == f"lpcache.{MOVED[old][0]}"   # not the old's
+    for new in news:   # a split module: every public name of each part, read through the old path
+        public = [name for name in vars(new) if not name.startswith("_")]
+        assert all(getattr(module, name) is getattr(new, name) for name in public if name not in vars(news[0])
+                   or new is news[0])
 
 
-def test_from_an_old_path_import_a_name_gives_the_same_object() -> None:
-    sys.modules.pop("lpcache.slots", None)
+def test_names_of_a_split_module_are_read_through_its_old_path() -> None:
+    from lpcache.backends.placement import Want, choose
+    from lpcache.backends.slot_pool import SlotPool
+    from lpcache.backends.slots import Slot
+    from lpcache.cache.index_limits import GHOSTS_MIN
+    from lpcache.cache.meta_files import write_atomic
+    for name in ("lpcache.slots", "lpcache.index"):
+        sys.modules.pop(name, None)
     with pytest.warns(DeprecationWarning):
-        from lpcache.slots import Slot  # type: ignore[import-not-found]
-    from lpcache.backends.slots import Slot as new
-    assert Slot is new
+        from lpcache.index import GHOSTS_MIN as old_ghosts  # type: ignore[import-not-found]
+        from lpcache.index import write_atomic as old_write  # type: ignore[import-not-found]
+        from lpcache.slots import Slot as old_slot  # type: ignore[import-not-found]
+        from lpcache.slots import SlotPool as old_pool  # type: ignore[import-not-found]
+        from lpcache.slots import Want as old_want  # type: ignore[import-not-found]
+        from lpcache.slots import choose as old_choose  # type: ignore[import-not-found]
+    assert (old_slot, old_pool, old_want, old_choose) == (Slot, SlotPool, Want, choose)
+    assert (old_ghosts, old_write) == (GHOSTS_MIN, write_atomic)
+    with pytest.raises(ImportError):
+        from lpcache.slots import no_such_name  # type: ignore[import-not-found]  # noqa: F401
+
+
+def test_a_module_that_became_a_package_still_gives_its_old_names() -> None:
+    from lpcache.backends.backend import Backend
+    from lpcache.edge.http import server_options
+    from lpcache.fleet.replica import Fleet
+    from lpcache.fleet.shared_map import CALL_TIMEOUT
+    from lpcache.fleet.slot_state import content_doc
+    with pytest.warns(DeprecationWarning, match="lpcache.backends.Backend is now lpcache.backends.backend.Backend"):
+        from lpcache.backends import Backend as old_backend
+    with pytest.warns(DeprecationWarning):
+        from lpcache.edge import server_options as old_options
+    with pytest.warns(DeprecationWarning):
+        from lpcache.fleet import CALL_TIMEOUT as old_timeout
+        from lpcache.fleet import Fleet as old_fleet
+        from lpcache.fleet import content_doc as old_doc
+    assert (old_backend, old_options, old_fleet, old_timeout, old_doc) == (Backend, server_options, Fleet,
+                                                                           CALL_TIMEOUT, content_doc)
+    with warnings.catch_warnings():   # a submodule is imported as such, unwarned
+        warnings.simplefilter("error")
+        from lpcache.backends import swap
+    assert swap.__name__ == "lpcache.backends.swap"
+    with pytest.raises(ImportError):
+        from lpcache.fleet import no_such_name  # noqa: F401
+
+
+def test_a_reload_of_the_package_adds_no_second_finder() -> None:
+    importlib.reload(lpcache)
+    assert sum(type(f).__name__ == MovedModules.__name__ for f in sys.meta_path) == 1
 
 
 def test_the_public_paths_import_without_a_warning() -> None:
@@ -59,6 +106,11 @@ def test_an_old_path_still_runs_with_python_dash_m() -> None:
     assert old.stdout == new.stdout and new.stdout.startswith("# Configuration")
     assert "lpcache.config_doc is now lpcache.edge.config_page" in old.stderr
     assert "DeprecationWarning" not in new.stderr
+
+
+def test_the_harness_finds_the_checkout() -> None:
+    from lpcache.workloads.harness import GET_LLAMA, REPO
+    assert (REPO / "pyproject.toml").is_file() and GET_LLAMA.is_file()
 
 
 def test_the_stand_in_still_runs_with_python_dash_m() -> None:
