@@ -45,10 +45,14 @@ class ProxyError(LpcacheError):
     status = 500
     type = "server_error"
 
+    retry_after: float | None = None   # seconds: a `Retry-After` header goes with the answer
+
     def __init__(self, message: str, *, status: int | None = None, type: str | None = None,
-                 code: str | int | None = None) -> None:
+                 code: str | int | None = None, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.message = message
+        if retry_after is not None:
+            self.retry_after = retry_after
         if status is not None:
             self.status = status
         if type is not None:
@@ -71,10 +75,18 @@ class BadRequest(ProxyError):
 
 
 class SlotsBusy(ProxyError):
-    """No slot became free within the acquire timeout."""
+    """No slot became free within the acquire timeout, or the wait the line predicts would pass the request's
+    deadline (`admission`): 503 with Retry-After."""
 
     status = 503
     type = "unavailable_error"
+
+
+class QueueFull(ProxyError):
+    """QUEUE_MAX requests wait for a slot already (`admission`): 429 with Retry-After."""
+
+    status = 429
+    type = "rate_limit_error"
 
 
 class BackendUnreachable(ProxyError):

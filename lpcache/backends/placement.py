@@ -9,8 +9,9 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
+from lpcache.backends.admission import Ticket
 from lpcache.backends.slots import Content, Slot
 from lpcache.cache.meta_files import Candidate
 from lpcache.cache.prefix import Prompt, common_prefix
@@ -27,6 +28,7 @@ class Choice:
     skipped: bool = False   # a saved cache held more, but restoring it would take longer than the prefill
     warm: bool = False      # taken because the server's RAM prompt cache likely holds the prompt ...
     warm_blocks: int = 0    # ... this many of its identity blocks
+    seed: bool = False      # a session starting anew, placed as in prefix mode (`SlotFiller.take_slot`)
 
 
 Pays = Callable[[Slot, Candidate, int], bool]
@@ -35,7 +37,7 @@ Pays = Callable[[Slot, Candidate, int], bool]
 def choose(idle: Sequence[Slot], prompt: Prompt | None, candidate: Candidate | None,
            session: str | None = None, homes: frozenset[int] = frozenset(), pays: Pays | None = None,
            warm: tuple[int, int, bool] | None = None, kept: Callable[[str], bool] | None = None,
-           load: Mapping[int, int] | None = None) -> Choice:
+           load: Mapping[int, int] | None = None, mine: Callable[[Slot], bool] | None = None) -> Choice:
     """Pick among idle slots.
 
     0. In session mode (`session`: the session's file name): the slot that holds the session, else the least
@@ -53,6 +55,8 @@ def choose(idle: Sequence[Slot], prompt: Prompt | None, candidate: Candidate | N
     3. Else a never-used slot, else the least recently used one.
     Among slots that would compute (a restore's target, a prefill's), those of the least-loaded backend first
     (`load`: slots taken per backend, here and by other replicas): its compute is shared by fewer requests.
+    `mine`: the slots whose cache the request may be placed on for what they hold (a session starting anew: not
+    another client key's session).
     """
     if session is not None:
         for slot in idle:
@@ -60,7 +64,7 @@ def choose(idle: Sequence[Slot], prompt: Prompt | None, candidate: Candidate | N
                 return Choice(slot, None, len(slot.content.chain))
         at_home = [s for s in idle if s.backend in homes]
         return Choice(_coldest(at_home or idle, load), None, 0)
-    best_slot, best_shared = resident(idle, prompt)
+    best_slot, best_shared = resident(idle if mine is None else [s for s in idle if mine(s)], prompt)
     ram = _warm_slot(idle, prompt, warm, best_shared)
     if ram is not None and warm is not None and warm[2] and candidate is not None and warm[1] >= candidate.shared:
         return Choice(ram, None, 0, warm=True, warm_blocks=warm[1])   # left to the server's RAM: no disk restore
@@ -136,7 +140,7 @@ class WaitPlan:
 
 def wait_plan(slots: Sequence[Slot], prompt: Prompt | None, candidate: Candidate | None,
               allowed: Callable[[Slot], bool] | None, session: str | None, homes: frozenset[int],
-              budget: Budget) -> WaitPlan | None:
+              budget: Budget, mine: Callable[[Slot], bool] | None = None) -> WaitPlan | None:
     """Whether to wait for a busy slot, and how long: a cost decision. `budget(slot, blocks, beside)` is the longest
     wait that still beats prefilling `blocks` elsewhere (0: do not wait), from the learnt speeds and what the busy
     slot is doing (`Slot.phase`, `Slot.free_at`).
@@ -158,29 +162,34 @@ def wait_plan(slots: Sequence[Slot], prompt: Prompt | None, candidate: Candidate
             if held is not None and held.key == session and ok(slot):
                 seconds = budget(slot, n, False)
                 return WaitPlan(_only(slot), seconds, slot) if seconds > 0 else None
-        mine = [s for s in slots if ok(s) and s.backend in homes]
-        if homes and mine and all(s.taken for s in mine):
-            seconds = budget(_soonest(mine), n, False)
+        at_home = [s for s in slots if ok(s) and s.backend in homes]
+        if homes and at_home and all(s.taken for s in at_home):
+            seconds = budget(_soonest(at_home), n, False)
             return WaitPlan(lambda s: s.backend in homes, seconds) if seconds > 0 else None
         return None
     if prompt is None or not prompt.exact:
         return None
     best: Slot | None = None
     busy_shared, idle_shared = 0, 0
+    idle_backends = {s.backend for s in slots if ok(s) and not s.taken}
     for slot in slots:
         if not ok(slot):
             continue
         taken = slot.taken
         held = (slot.pending or slot.content) if taken else slot.content
         shared = common_prefix(held.chain, prompt.exact) if held is not None else 0
-        if taken and shared > busy_shared and not slot.awaited:   # one request waits for a slot, not several
+        # one request waits for a slot, not several; unless the only idle slots are on its server, where a prefill
+        # would run beside it (several agents of one harness started together: each waits out its prefill, then
+        # one takes the slot, the others restore the file its cache is saved to)
+        if mine is not None and not mine(slot):
+            continue   # another client key's session: not waited for, nor counted as what an idle slot holds
+        if taken and shared > busy_shared and (not slot.awaited or idle_backends == {slot.backend}):
             best, busy_shared = slot, shared
         elif not taken:
             idle_shared = max(idle_shared, shared)
     disk = candidate.shared if candidate is not None else 0
     least = max(1, math.ceil(RESIDENT_MIN_SHARE * len(prompt.exact)))
     if best is not None and busy_shared >= least and busy_shared > max(idle_shared, disk):
-        idle_backends = {s.backend for s in slots if ok(s) and not s.taken}
         beside = idle_backends == {best.backend}   # going now means prefilling on that server, beside it
         gain, target = busy_shared - max(idle_shared, disk), best
         seconds = budget(target, gain, beside)
@@ -233,11 +242,15 @@ class Want:
     unprotect: Callable[[str], None] | None = None  # ... and when the slot is given back unused
     warm: Callable[[], tuple[int, int, bool] | None] | None = None   # the server whose RAM likely holds it
     kept: Callable[[str], bool] | None = None        # whether a cache's file is on disk
+    mine: Callable[[Slot], bool] | None = None       # slots whose cache it may use (`choose`)
     answer_tokens: int | None = None                 # the request's max_tokens, when it says
+    seed: bool = False   # a new session's first turn: its slot is chosen as in prefix mode (`SlotFiller.take_slot`)
+    ticket: Ticket = field(default_factory=Ticket)   # its client and class in the line (`admission`)
+    max_wait: float | None = None                    # the longest it may wait (None: SLOT_WAIT_TIMEOUT)
 
     def choose(self, idle: Sequence[Slot], load: Mapping[int, int] | None = None) -> Choice:
-        choice = choose(idle, self.prompt, self.lookup(), self.session, self.homes, self.pays,
-                        self.warm() if self.warm is not None else None, self.kept, load)
+        choice = choose(idle, self.prompt, self.lookup(), None if self.seed else self.session, self.homes, self.pays,
+                        self.warm() if self.warm is not None else None, self.kept, load, self.mine)
         if choice.restore is not None and self.protect is not None:
             self.protect(choice.restore.entry.key)   # on the event loop, before anything else can prune it
         return choice
@@ -255,6 +268,9 @@ class Want:
     def only(self, wanted: Callable[[Slot], bool]) -> Want:
         allowed = self.allowed
         return replace(self, allowed=wanted if allowed is None else (lambda s: allowed(s) and wanted(s)))
+
+
+DECODE_PER_PREFILL = 32   # prefilled tokens one decoded token costs at most, before any speed is learnt
 
 
 def beside_wait(slot: Slot, mine: float, blocks: int, speeds: Speeds) -> float:
@@ -287,7 +303,13 @@ def beside_wait(slot: Slot, mine: float, blocks: int, speeds: Speeds) -> float:
     if slot.stream:
         return math.inf     # wait out its prefill; decided again at its first token
     if benefit is None or per_token is None:
-        return 0.0          # a JSON answer's progress is not seen, and no speed to judge it by
+        # no speed learnt yet (the first requests after a start: agents sent together, all with one harness): a
+        # JSON answer's progress is not seen, so waiting pays only when its answer, capped by its max_tokens, is
+        # surely shorter to generate than the shared part is to prefill (a decoded token costs at most
+        # DECODE_PER_PREFILL prefilled ones, on CPUs and GPUs alike); until it is released, SLOT_AFFINITY_WAIT at
+        # most
+        capped = slot.answer_tokens is not None and slot.answer_tokens * DECODE_PER_PREFILL < shared
+        return math.inf if capped else 0.0
     generate = speeds.generate.seconds(min(slot.answer_tokens or 64, 64))   # its max_tokens, or a short answer
     if generate is None or generate >= benefit:
         return 0.0

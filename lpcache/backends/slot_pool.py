@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from lpcache.backends.admission import CLASSES, HoldTimes
 from lpcache.backends.placement import Choice, WaitPlan, Want
 from lpcache.backends.slots import Content, Slot
-from lpcache.errors import SlotsBusy
+from lpcache.errors import QueueFull, SlotsBusy
 
 
 @dataclass(eq=False)
@@ -45,9 +46,14 @@ class Claims(Protocol):
 class SlotPool:
     """Hands out slots: at once when one is idle and nobody waits, else in arrival order as slots come free."""
 
-    def __init__(self, slots: Sequence[Slot], wait_timeout: float = 300.0) -> None:
+    def __init__(self, slots: Sequence[Slot], wait_timeout: float = 300.0, queue_max: int = 0) -> None:
         self.slots = list(slots)
         self.wait_timeout = wait_timeout
+        self.queue_max = queue_max            # waiters at most (0: no bound): `admission`
+        self.hold = HoldTimes()               # how long a request keeps its slot, to predict a wait
+        self.refused: Counter[str] = Counter()   # requests refused before waiting, by reason
+        self.waits: dict[str, deque[float]] = {c: deque(maxlen=256) for c in CLASSES}   # the last waits, by class
+        self._seq = 0
         self._waiters: deque[_Waiter] = deque()
         self.claims: Claims | None = None   # set with REDIS_URL
         # When a list (tests): (slot name, wall-clock time, "take" or "give") as this replica starts and stops
@@ -73,6 +79,50 @@ class SlotPool:
     @property
     def waiting(self) -> int:
         return len(self._waiters)
+
+    def waiting_by_class(self) -> Counter[str]:
+        return Counter(CLASSES[w.want.ticket.priority] for w in self._waiters if not w.future.done())
+
+    def waited(self, want: Want, seconds: float) -> None:
+        """A request got its slot (or gave up) after `seconds` in line: kept for the dashboard's figures."""
+        self.waits[CLASSES[want.ticket.priority]].append(seconds)
+
+    def line(self) -> dict[str, dict[str, float | int]]:
+        """Per priority class: requests waiting now, and the median and longest of its last waits (seconds)."""
+        waiting = self.waiting_by_class()
+        out: dict[str, dict[str, float | int]] = {}
+        for level in CLASSES:
+            last = sorted(self.waits[level])
+            out[level] = {"waiting": waiting[level], "waits": len(last),
+                          "wait_p50": last[len(last) // 2] if last else 0.0, "wait_max": last[-1] if last else 0.0}
+        return out
+
+    def holding(self) -> Counter[str | None]:
+        """Slots each client's requests hold now (`admission`: fair shares)."""
+        return Counter(s.client for s in self.slots if s.busy and s.taken_at)
+
+    def _in_line(self) -> list[_Waiter]:
+        """The waiters in the order a free slot goes to them: class, the slots their client holds, arrival."""
+        holding = self.holding()
+        return sorted(self._waiters, key=lambda w: w.want.ticket.rank(holding))
+
+    def admit(self, want: Want, timeout: float) -> None:
+        """Refuse, before it waits, a request the line cannot serve in time (`admission`): QUEUE_MAX waiters
+        already (429), or a predicted wait past its deadline `timeout` (503); both say when to come back."""
+        allowed = [s for s in self.slots if want.allowed is None or want.allowed(s)]
+        holding = self.holding()
+        mine = want.ticket.rank(holding)
+        ahead = sum(1 for w in self._waiters if not w.future.done() and w.want.ticket.rank(holding) <= mine)
+        predicted = self.hold.wait(ahead, len(allowed))
+        if self.queue_max and len(self._waiters) >= self.queue_max:
+            self.refused["queue_full"] += 1
+            raise QueueFull(f"{len(self._waiters)} requests wait for a slot already (QUEUE_MAX)",
+                            code="queue_full", retry_after=predicted or self.hold.mean or 1.0)
+        if predicted is not None and predicted > timeout:
+            self.refused["past_deadline"] += 1
+            raise SlotsBusy(f"all slots busy: the wait for one ({predicted:.1f} s predicted, {ahead} requests "
+                            f"ahead) would pass this request's {timeout:g} s", code="wait_past_deadline",
+                            retry_after=predicted)
 
     def add(self, slots: Sequence[Slot]) -> None:
         """More slots (a backend that came up told its real slot count)."""
@@ -151,7 +201,13 @@ class SlotPool:
         narrow = want.only(plan.wanted) if plan is not None else want
         idle = self.idle(narrow.allowed)
         if idle and not self._waiters:
-            return self._take(narrow.choose(idle, self.load())), plan is not None
+            return self._take(narrow.choose(idle, self.load()), want), plan is not None
+        self._seq += 1
+        if want.ticket.seq == 0:   # its place in line (kept when it queues again: `Refused`)
+            want.ticket = replace(want.ticket, seq=self._seq)
+            narrow.ticket = want.ticket
+        if not idle:
+            self.admit(want, timeout)
         waiter = _Waiter(narrow)
         self._waiters.append(waiter)
         self.wake()
@@ -199,7 +255,8 @@ class SlotPool:
                 self.release(got.slot)
             waiter.future.cancel()
             if isinstance(e, TimeoutError):
-                raise SlotsBusy("all slots busy", code="all_slots_busy") from None
+                raise SlotsBusy("all slots busy", code="all_slots_busy",
+                                retry_after=self.hold.mean or 1.0) from None
             raise
         finally:
             if widening is not None:
@@ -230,6 +287,9 @@ class SlotPool:
         slot.phase, slot.free_at = "", None
         slot.stream, slot.sent_at, slot.first_token_at, slot.computing = False, None, None, 0
         slot.answer_tokens = None
+        if slot.taken_at:
+            self.hold.add(time.monotonic() - slot.taken_at)
+        slot.client, slot.taken_at = None, 0.0
         if used:
             slot.last_used = time.monotonic()
         if content is not True:
@@ -271,17 +331,18 @@ class SlotPool:
             self.trace.append((slot.name, time.time(), "take"))
         return True
 
-    def _take(self, choice: Choice) -> Choice:
+    def _take(self, choice: Choice, want: Want) -> Choice:
         choice.slot.busy = True
         choice.slot.used = True
+        choice.slot.client, choice.slot.taken_at = want.ticket.client, time.monotonic()
         self._filling_over(choice.slot)
         choice.slot.filling = asyncio.Event()
         return choice
 
     def wake(self) -> None:
-        """Hand idle slots to the waiters, in arrival order; a waiter none of whose allowed slots is idle keeps
-        its place without holding up the ones behind it."""
-        for waiter in list(self._waiters):
+        """Hand idle slots to the waiters, in the line's order (`admission`: class, fair shares, arrival); a waiter
+        none of whose allowed slots is idle keeps its place without holding up the ones behind it."""
+        for waiter in self._in_line():
             if waiter.future.done():
                 self._waiters.remove(waiter)
                 continue
@@ -291,7 +352,7 @@ class SlotPool:
                     break
                 continue
             self._waiters.remove(waiter)
-            waiter.future.set_result(self._take(waiter.want.choose(idle, self.load())))
+            waiter.future.set_result(self._take(waiter.want.choose(idle, self.load()), waiter.want))
 
     def handed_over(self, slot: Slot) -> None:
         """The slot's new holder saved what it held before (or found it not worth keeping): the slot is that

@@ -54,6 +54,8 @@ class Slot:
     first_token_at: float | None = None   # while busy: when its answer's first token came (its prefill was over)
     computing: int = 0               # while busy: identity blocks of its prompt the server computes (not cached)
     answer_tokens: int | None = None  # while busy: the most tokens its answer may have (max_tokens), when said
+    client: str | None = None        # while busy: whose request holds it (`admission`: fair shares)
+    taken_at: float = 0.0            # while busy with a request: since when (monotonic; its hold time)
     replans: list[Callable[[], None]] = field(default_factory=list)   # the waits planned on it, to decide again
     on_handover: list[Callable[[], None]] = field(default_factory=list)   # every wait planned on it, ended when
                                                                          # it goes to another request

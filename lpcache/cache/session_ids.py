@@ -20,7 +20,7 @@ import hashlib
 import logging
 import re
 import unicodedata
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 MAX_CHARS = 256          # characters of an id (decoded from UTF-8)
@@ -90,6 +90,7 @@ class SessionIds:
         self.warned_max = warned_max
         self.hashed = 0
         self.rejected: dict[str, int] = dict.fromkeys(REASONS, 0)
+        self.sources: Counter[str] = Counter()   # sessions served, by the header they came from (`agent_ids`)
         self._warned: OrderedDict[bytes, None] = OrderedDict()
 
     def read(self, header: str | None) -> str | None:

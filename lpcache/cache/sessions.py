@@ -233,6 +233,7 @@ class SessionInfo:
     summary: Summary | None = None   # its last prompt, to say where the next one differs
     comparison: Comparison | None = None
     owner: str | None = None         # digest of the client key that made it (None without client keys)
+    parents: tuple[str, ...] = ()    # a sub-agent's parent sessions' files, as its client named them (seeding)
     apis: dict[str, int] = field(default_factory=dict)  # its requests by API (chat, responses, messages...)
 
     def saved(self, backend: int, file_bytes: int | None, chain: tuple[int, ...],

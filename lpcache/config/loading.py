@@ -88,6 +88,10 @@ def load_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] 
         raise ConfigError("BREAKER_MAX_COOLDOWN_MS", "must be at least BREAKER_COOLDOWN_MS")
     if not values["MODEL_ID"].strip():
         raise ConfigError("MODEL_ID", "must not be empty")
+    keys = values["LPCACHE_API_KEYS"] or ()
+    unknown = [i for i, (k, _) in enumerate(values["CLIENT_PRIORITIES"] or ()) if k not in keys]
+    if unknown:
+        raise ConfigError("CLIENT_PRIORITIES", f"pair {unknown[0] + 1} names a key that is not in LPCACHE_API_KEYS")
 
     return Settings(
         backends=backends,
@@ -110,7 +114,10 @@ def load_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] 
         save_retries=values["SAVE_RETRIES"],
         save_retry_delay_ms=values["SAVE_RETRY_DELAY_MS"],
         slot_wait_timeout=values["SLOT_WAIT_TIMEOUT"],
+        queue_max=values["QUEUE_MAX"],
+        client_priorities=values["CLIENT_PRIORITIES"] or (),
         coalesce_requests=values["COALESCE_REQUESTS"],
+        agent_session_ids=values["AGENT_SESSION_IDS"],
         api_keys=values["LPCACHE_API_KEYS"] or (),
         max_body_bytes=values["MAX_BODY_BYTES"],
         client_timeout=values["CLIENT_TIMEOUT"],
@@ -194,6 +201,9 @@ def describe(settings: Settings) -> str:
             value = "auto" if settings.big_threshold_words is None else settings.big_threshold_words
         elif o.env == "LPCACHE_API_KEYS":
             value = f"{len(settings.api_keys)} key(s)" if settings.api_keys else "unset"
+        elif o.env == "CLIENT_PRIORITIES":
+            value = ",".join(f"key{settings.api_keys.index(k) + 1 if k in settings.api_keys else '?'}={c}"
+                             for k, c in settings.client_priorities) or "unset"
         else:
             value = getattr(settings, o.env.lower(), None)
         shown.append(f"{o.env.lower()}={value}")

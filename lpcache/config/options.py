@@ -116,6 +116,28 @@ def _bool(raw: str) -> bool:
     raise ValueError(f"{raw!r} is not true or false")
 
 
+def _priorities(raw: str) -> tuple[tuple[str, str], ...]:
+    """`KEY=CLASS` pairs, comma-separated, or @FILE with one pair per line; CLASS is high, normal or low."""
+    raw = raw.strip()
+    if raw.startswith("@"):
+        try:
+            with open(raw[1:], encoding="utf-8") as f:
+                parts = [line.strip() for line in f]
+        except OSError as e:
+            raise ValueError(f"cannot read the file {raw[1:]!r}: {e.strerror}") from None
+    else:
+        parts = [p.strip() for p in raw.split(",")]
+    pairs = []
+    for part in parts:
+        if not part or part.startswith("#"):
+            continue
+        key, sep, level = part.rpartition("=")
+        if not sep or not key.strip() or level.strip().lower() not in ("high", "normal", "low"):
+            raise ValueError("expected KEY=high|normal|low pairs (the key itself is not shown here)")
+        pairs.append((key.strip(), level.strip().lower()))
+    return tuple(pairs)
+
+
 def _keys(raw: str) -> tuple[str, ...]:
     """A comma-separated list of keys, or @FILE with one key per line (blank lines and # comments skipped)."""
     raw = raw.strip()
@@ -304,6 +326,15 @@ OPTIONS: tuple[Option, ...] = (
            "Milliseconds between save retries.", metavar="MS"),
     Option("SLOT_WAIT_TIMEOUT", "--slot-wait-timeout", _float(0.0, exclusive_min=True), "300",
            "Seconds a request waits for a free slot before it gets 503 all slots busy.", metavar="SECONDS"),
+    Option("QUEUE_MAX", "--queue-max", _int(0), "0",
+           "Requests that may wait for a slot at once; one more gets 429 with Retry-After at once (0: no bound). "
+           "Whatever the bound, a request whose predicted wait passes its deadline (SLOT_WAIT_TIMEOUT, or "
+           "X-Lpcache-Max-Wait) gets 503 with Retry-After before it waits.", metavar="N"),
+    Option("CLIENT_PRIORITIES", "--client-priorities", _priorities, None,
+           "Priority class per client key: KEY=high|normal|low pairs, comma-separated, or @FILE with one per line "
+           "(keys of LPCACHE_API_KEYS; others are normal). A free slot goes to the highest class waiting, then to "
+           "the client holding the fewest slots; a request may ask for a lower class than its key's with "
+           "X-Lpcache-Priority (any class without client keys).", metavar="PAIRS"),
     Option("SLOT_AFFINITY_WAIT", "--slot-affinity-wait", _float(0.0), "30",
            "Longest wait, in seconds, for a busy slot that will hold more of a request's prompt than any idle slot "
            "or saved cache (its conversation's previous turn, still answered or saved, or a request sharing its "
@@ -332,6 +363,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("COALESCE_REQUESTS", "--coalesce-requests", _bool, "false",
            "Concurrent identical generation requests (same route and body: prompt, model and generation "
            "parameters; same client key or Authorization, same X-Session-ID) share one backend call.",
+           metavar="BOOL"),
+    Option("AGENT_SESSION_IDS", "--agent-session-ids", _bool, "true",
+           "Without X-Session-ID, take the session ids coding agents send on their own as sessions: Claude Code's "
+           "X-Claude-Code-Session-Id (its sub-agents' X-Claude-Code-Agent-Id), Codex's session-id, Claude Code's "
+           "metadata.user_id on /v1/messages (see clients.md). false: X-Session-ID only.",
            metavar="BOOL"),
     Option("LPCACHE_API_KEYS", "--api-keys", _keys, None,
            "Client keys: a comma-separated list, or @FILE with one key per line. When set, every request but "
@@ -418,7 +454,7 @@ EXAMPLES = (
 GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("Core", "Where lpcache listens, what it logs, and how it decides which prompts to cache.",
      ("HOST", "PORT", "MODEL_ID", "LOG_LEVEL", "WORDS_PER_BLOCK", "BIG_THRESHOLD_WORDS", "LCP_TH", "META_DIR",
-      "META_MAX", "META_MAX_GIB", "STREAM_QUEUE_SIZE", "COALESCE_REQUESTS")),
+      "META_MAX", "META_MAX_GIB", "STREAM_QUEUE_SIZE", "COALESCE_REQUESTS", "AGENT_SESSION_IDS")),
     ("Backends", "The llama-server instances behind lpcache, and how a failing one is treated.",
      ("BACKENDS", "LLAMA_URL", "N_SLOTS", "SLOT_SAVE_PATH", "LLAMA_API_KEY", "REQUEST_TIMEOUT",
       "BREAKER_COOLDOWN_MS", "BREAKER_MAX_COOLDOWN_MS")),
@@ -427,7 +463,8 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      ("SAVE_RETRIES", "SAVE_RETRY_DELAY_MS", "SAVE_POLICY", "SAVE_IDLE_SECONDS", "MAX_FILES", "MAX_GIB",
       "MODELS_MAX")),
     ("Limits and hardening", "What a client may send and how long it may wait (see [operations.md](operations.md)).",
-     ("SLOT_WAIT_TIMEOUT", "SLOT_AFFINITY_WAIT", "LPCACHE_API_KEYS", "CLIENT_SLOT_ACTIONS", "MAX_BODY_BYTES",
+     ("SLOT_WAIT_TIMEOUT", "QUEUE_MAX", "CLIENT_PRIORITIES", "SLOT_AFFINITY_WAIT", "LPCACHE_API_KEYS",
+      "CLIENT_SLOT_ACTIONS", "MAX_BODY_BYTES",
       "CLIENT_TIMEOUT", "SHUTDOWN_TIMEOUT")),
     ("Scale-out", "Several lpcache replicas sharing one cache map through Redis (see [scale-out.md](scale-out.md)).",
      ("REDIS_URL", "REPLICA_ID", "SLOT_LEASE_MS", "RING_FILES")),

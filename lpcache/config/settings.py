@@ -51,7 +51,10 @@ class Settings:
     save_retries: int = 3
     save_retry_delay_ms: int = 1000
     slot_wait_timeout: float = 300.0
+    queue_max: int = 0
+    client_priorities: tuple[tuple[str, str], ...] = ()   # (client key, class): `backends.admission`
     coalesce_requests: bool = False
+    agent_session_ids: bool = True
     api_keys: tuple[str, ...] = ()
     max_body_bytes: int = 16 * 1024 * 1024
     client_timeout: float = 30.0

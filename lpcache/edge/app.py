@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import shutil
 import time
@@ -26,6 +27,7 @@ from starlette.types import ASGIApp
 
 from lpcache.apis import BY_PATH
 from lpcache.apis.base import Api
+from lpcache.backends.admission import CLASSES
 from lpcache.backends.backend import Prober, start_backends
 from lpcache.backends.llama import client_session
 from lpcache.backends.slot_pool import SlotPool
@@ -39,7 +41,7 @@ from lpcache.edge.http import HeaderLimits
 from lpcache.edge.metrics import Metrics
 from lpcache.errors import BackendUnreachable, BadRequest, ClientGone, ClientGoneReading, ProxyError
 from lpcache.flow.forwarded import slot_actions_refused, slot_touched
-from lpcache.flow.guard import ApiKeys, Caller, read_body
+from lpcache.flow.guard import ApiKeys, Caller, digest, read_body
 from lpcache.flow.pipeline import Pipeline
 from lpcache.flow.record import Observer, RequestRecord, log_record
 from lpcache.flow.relay import PassThrough
@@ -63,8 +65,10 @@ def error_response(err: ProxyError, api: Api | None = None) -> Response:
     # a backend's own error answer as it came, else OpenAI's shape (Anthropic's on /v1/messages)
     body, content_type = api.error(err) if api is not None else err.payload()
     # 408 and 413 come before the body was read to its end: the connection cannot serve another request
-    headers = {"connection": "close"} if err.status in (408, 413) else None
-    return Response(body, status_code=err.status, media_type=content_type, headers=headers)
+    headers = {"connection": "close"} if err.status in (408, 413) else {}
+    if err.retry_after is not None:   # a refusal that says when to come back (`admission`)
+        headers["retry-after"] = str(max(1, math.ceil(err.retry_after)))
+    return Response(body, status_code=err.status, media_type=content_type, headers=headers or None)
 
 
 def client_left_reading(pipeline: Pipeline, record: RequestRecord) -> Response:
@@ -92,7 +96,9 @@ def _pipeline(request: Request) -> Pipeline:
 
 def _caller(request: Request, pipeline: Pipeline) -> Caller:
     """Who asks (`guard.Caller`), read from the request's headers once, where the request enters."""
-    return Caller.of(request.headers, bool(pipeline.settings.api_keys))
+    settings = pipeline.settings
+    return Caller.of(request.headers, bool(settings.api_keys), settings.agent_session_ids,
+                     request.app.state.priority_classes, settings.slot_wait_timeout)
 
 
 async def generation(request: Request) -> ASGIApp:
@@ -101,6 +107,7 @@ async def generation(request: Request) -> ASGIApp:
     record = new_record(request)
     api = BY_PATH[request.url.path]
     caller = _caller(request, pipeline)
+    record.ticket, record.max_wait = caller.ticket, caller.max_wait
     try:
         return await pipeline.generate(request, record, api, caller)
     except ClientGoneReading:
@@ -300,6 +307,9 @@ async def proxy_state(pipeline: Pipeline | None, started: float, disk: DiskFigur
         "backends": backends,
         "in_flight": sum(1 for s in pipeline.pool.slots if s.busy),
         "waiting": pipeline.pool.waiting,
+        # per priority class: waiting now, the median and longest recent waits; refusals before waiting
+        "line": pipeline.pool.line(),
+        "refused": dict(pipeline.pool.refused),
         "coalesced_groups": len(pipeline.coalescer),
         "meta_entries": len(pipeline.index),
         # the settings whose cost the dashboard shows (what a saved cache would have spared)
@@ -354,7 +364,8 @@ def create_app(settings: Settings, plugins: Loaded | None = None) -> Starlette:
                 log.warning("%s", note)
             backends = await start_backends(settings, session)
             loaded = await asyncio.to_thread(index.load)
-            pool = SlotPool([s for b in backends for s in b.slots()], settings.slot_wait_timeout)
+            pool = SlotPool([s for b in backends for s in b.slots()], settings.slot_wait_timeout,
+                            settings.queue_max)
             app.state.started = time.time()
             app.state.pipeline = Pipeline(settings, backends, pool, index, observers=observers(),
                                           prefilters=plugins.prefilters)
@@ -404,6 +415,8 @@ def create_app(settings: Settings, plugins: Loaded | None = None) -> Starlette:
         exception_handlers={HTTPException: http_error, Exception: internal_error},
         lifespan=lifespan,
     )
+    # the priority class of each client key, by the identity a request shows (`guard.client_identity`)
+    app.state.priority_classes = {digest(key): CLASSES.index(level) for key, level in settings.client_priorities}
     if settings.api_keys:
         pages = [list(paths) for router in plugins.routes if (paths := router.browser_paths())]
         login = BrowserLogin(settings.api_keys, pages) if pages else None

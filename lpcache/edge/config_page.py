@@ -88,6 +88,7 @@ _KINDS = {
     "_log_level": "level name",
     "_bool": "true/false",
     "_keys": "keys, or `@FILE`",
+    "_priorities": "`KEY=CLASS` pairs, or `@FILE`",
     "_plugin_specs": "JSON array",
     "_backends": "JSON array",
     "_fields": "field names",

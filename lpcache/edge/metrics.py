@@ -20,9 +20,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from lpcache.apis import BY_PATH
+from lpcache.backends.admission import CLASSES
+from lpcache.cache import agent_ids
 from lpcache.cache.worth import MISSED_KINDS
 from lpcache.config.version import __version__
 from lpcache.flow.record import RequestRecord
+from lpcache.flow.session_seed import SEED_SOURCES
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 BREAKER_STATES = ("closed", "open", "half_open")
@@ -56,6 +59,18 @@ class _Live(Collector):
         yield total
         yield state
         yield GaugeMetricFamily("lpcache_waiting_requests", "Requests waiting for a slot", value=p.pool.waiting)
+        by_class = p.pool.waiting_by_class()
+        depth = GaugeMetricFamily("lpcache_queue_depth", "Requests waiting for a slot, by priority class",
+                                  labels=["priority"])
+        for level in CLASSES:
+            depth.add_metric([level], by_class[level])
+        yield depth
+        refused = CounterMetricFamily("lpcache_queue_refused", "Requests refused before waiting for a slot: "
+                                      "queue_full (QUEUE_MAX waiters, 429), past_deadline (the predicted wait "
+                                      "passed the request's deadline, 503)", labels=["reason"])
+        for reason in ("queue_full", "past_deadline"):
+            refused.add_metric([reason], p.pool.refused[reason])
+        yield refused
         yield GaugeMetricFamily("lpcache_cache_entries", "Saved KV caches in the meta index", value=len(p.index))
         yield GaugeMetricFamily("lpcache_coalesced_groups", "Running coalesced groups", value=len(p.coalescer))
         yield GaugeMetricFamily("lpcache_sessions", "Sessions (X-Session-ID, one per route) lpcache keeps track of "
@@ -69,6 +84,19 @@ class _Live(Collector):
         for reason, count in p.session_ids.rejected.items():
             rejected.add_metric([reason], count)
         yield rejected
+        sources = CounterMetricFamily("lpcache_session_requests", "Requests served in session mode, by the header "
+                                      "their session came from (X-Session-ID or a coding agent's own)",
+                                      labels=["source"])
+        for source in agent_ids.SOURCES:
+            sources.add_metric([source], p.session_ids.sources[source])
+        yield sources
+        seeds = CounterMetricFamily("lpcache_session_seeds", "Sessions that started anew (a first turn, a file "
+                                    "gone, a prompt that left the file's), by what they started from: a slot "
+                                    "holding their prefix, a prefix-mode file, another session's file, the "
+                                    "parent's, or nothing", labels=["source"])
+        for source in SEED_SOURCES:
+            seeds.add_metric([source], p.filler.seeds.seeds[source])
+        yield seeds
         idle = CounterMetricFamily("lpcache_background_saves", "Slot saves outside requests (idle, shutdown, "
                                    "a router about to unload a model)", labels=["result"])
         idle.add_metric(["ok"], p.saver.background.saves_ok)
@@ -179,6 +207,9 @@ class Metrics:
                               "to its first chunk", buckets=buckets, registry=r)
         self.duration = Histogram("lpcache_request_duration_seconds", "Seconds from a request's arrival to its "
                                   "end, by route", ["route"], buckets=buckets, registry=r)
+        self.queue_wait = Histogram("lpcache_queue_wait_seconds", "Seconds a request waited for its slot, by "
+                                    "priority class (high, normal, low: `X-Lpcache-Priority`, CLIENT_PRIORITIES)",
+                                    ["priority"], buckets=(0.001,) + buckets, registry=r)
         Info("lpcache_build", "The lpcache version and the Python running it", registry=r).info(
             {"version": __version__, "python": platform.python_version()})
         for metric, values in ((self.restores, ("ok", "failed")), (self.saves, ("ok", "failed")),
@@ -205,6 +236,8 @@ class Metrics:
             self.prefilter.labels(plugin, outcome).inc()
         if record.elapsed_ms is not None:
             self._child(self.duration, route).observe(record.elapsed_ms / 1000.0)
+        if record.queue_ms is not None:
+            self._child(self.queue_wait, CLASSES[record.ticket.priority]).observe(record.queue_ms / 1000.0)
         if record.restored is not None:
             self._child(self.restores, "ok" if record.restored else "failed").inc()
             if record.restore_ms is not None:

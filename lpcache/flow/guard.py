@@ -12,14 +12,17 @@ import hashlib
 import hmac
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lpcache.apis import BY_PATH
+from lpcache.backends import admission
+from lpcache.backends.admission import Ticket
 from lpcache.backends.llama import CREDENTIAL_HEADERS
+from lpcache.cache import agent_ids
 from lpcache.errors import ClientGoneReading, ProxyError
 
 if TYPE_CHECKING:
@@ -111,13 +114,35 @@ class Caller:
     credential: dict[str, str]   # `client_credential`: what goes on to llama-server with a generation request
     passed: dict[str, str]       # `passed_on`: the headers as they go on
     shown: dict[str, str]        # `shown_headers`: the headers plugins see
-    session: str | None          # X-Session-ID as the client sent it (None without)
+    session: str | None          # its session as the client named it (`agent_ids`: X-Session-ID, or an agent's)
+    parents: tuple[str, ...] = ()   # a sub-agent's parent sessions, as named (seeding its first turn)
+    session_source: str | None = None   # the header the session came from (`agent_ids.SOURCES`)
+    ticket: Ticket = Ticket()   # its client and priority class in the line for a slot (`admission`)
+    max_wait: float | None = None   # the longest it may wait for a slot, when it asks (X-Lpcache-Max-Wait)
 
     @classmethod
-    def of(cls, headers: Mapping[str, str], keys_held: bool) -> Caller:
+    def of(cls, headers: Mapping[str, str], keys_held: bool, agents: bool = True,
+           classes: Mapping[str, int] | None = None, wait_limit: float | None = None) -> Caller:
+        """`classes`: the priority class of each client key's identity (CLIENT_PRIORITIES); `wait_limit`:
+        SLOT_WAIT_TIMEOUT, which X-Lpcache-Max-Wait may shorten."""
         identity = client_identity(headers, keys_held)
+        named = agent_ids.from_headers(headers, agents)
+        allowed = (classes or {}).get(identity or "", admission.NORMAL)
+        ticket = Ticket(identity, admission.priority(headers.get(admission.PRIORITY_HEADER), allowed, keys_held))
+        asked = headers.get(admission.MAX_WAIT_HEADER)
         return cls(identity, identity if keys_held else None, client_credential(headers, keys_held),
-                   passed_on(headers, keys_held), shown_headers(headers), headers.get("x-session-id"))
+                   passed_on(headers, keys_held), shown_headers(headers), named.session if named else None,
+                   named.parents if named else (), named.source if named else None, ticket,
+                   admission.max_wait(asked, wait_limit) if asked is not None and wait_limit is not None else None)
+
+    def named(self, api: str, body: Mapping[str, Any], agents: bool) -> tuple[str | None, tuple[str, ...], str]:
+        """(session, parents, source) as the client named them: from its headers, or on a Messages request without
+        a session header, Claude Code's `metadata.user_id` (`agent_ids.from_metadata`)."""
+        if self.session is None and api == "messages" and agents:
+            named = agent_ids.from_metadata(body)
+            if named is not None:
+                return named.session, named.parents, named.source
+        return self.session, self.parents, self.session_source or "x-session-id"
 
 
 async def send_error(send: Send, err: ProxyError, extra: Sequence[tuple[bytes, bytes]] = (),

@@ -31,7 +31,7 @@ from lpcache.cache.cache_files import Limits
 from lpcache.cache.index import MetaIndex
 from lpcache.cache.prefix import Prompt, raw_prefix
 from lpcache.cache.reuse import ReuseWatch
-from lpcache.cache.session_ids import SessionIds
+from lpcache.cache.session_ids import SessionIds, session_id
 from lpcache.cache.sessions import SessionBook, route_name, session_filename
 from lpcache.cache.speeds import SpeedBook
 from lpcache.config import Settings
@@ -111,7 +111,8 @@ class Pipeline:
         if router is not None:   # no router serves that model: it says so itself, and nothing is made for it
             return await router_says(router, request.url.path, passed, body, record, self.notify)
         # Who asks: answers are shared (coalescing, the result cache) only within one client and one session.
-        client, session = caller.identity, caller.session
+        client = caller.identity
+        session, parents, source = caller.named(api.name, body, self.settings.agent_session_ids)
         sid = self.session_ids.read(session)   # the session it names, lpcache's 32-hex id (None: prefix mode)
         view, listeners = None, []
         if self.prefilters:
@@ -129,7 +130,8 @@ class Pipeline:
             assert relay is not None
             return relay
         record.key, record.n_words, record.big = prompt.key, prompt.n_words, call.big
-        want = await self.session_cache(caller.owner, sid, prompt, call.messages, record, len(raw)) if sid else None
+        want = await self.session_cache(caller.owner, sid, prompt, call.messages, record, len(raw),
+                                        (source, parents)) if sid else None
         if call.big:
             call.send["cache_prompt"] = True
 
@@ -176,17 +178,22 @@ class Pipeline:
         return JsonRelay(attempts, record, watch, api, body)
 
     async def session_cache(self, owner: str | None, sid: str, prompt: Prompt, messages: list[Any],
-                            record: RequestRecord, size: int) -> Content:
-        """Session mode: the request's session (`sid`, read from X-Session-ID by `session_ids`) keys it by route,
-        model identity and session. Returns the cache the slot must hold (its file name is
-        `<route tag>_<session>.bin`). Logs where the prompt first differs from the session's previous one (a big
-        prompt's compared off the loop)."""
+                            record: RequestRecord, size: int,
+                            named: tuple[str, Sequence[str]] = ("x-session-id", ())) -> Content:
+        """Session mode: the request's session (`sid`, from X-Session-ID or an agent's header: `named`, the source
+        and the parents, `agent_ids`) keys it by route, model identity and session. Returns the cache the slot must
+        hold (`<route tag>_<session>.bin`); a sub-agent's parents are noted by file name (seeding its first turn,
+        `slot_fill`). Logs where the prompt differs from the session's previous one (compared off the loop)."""
         route = route_name(prompt.model)
         fingerprint = next((fp for b in self.backends if (fp := b.identity(route)) is not None), None)
         name = session_filename(route, sid, fingerprint, owner)
-        record.session = sid
+        record.session, (record.session_source, parents) = sid, named
+        self.session_ids.sources[record.session_source] += 1
         read = await off_loop(size, self.sessions.read, name, messages)
         info = self.sessions.seen(name, sid, route, messages, time.time(), owner, read, record.api or "chat")
+        if parents:
+            ids = [p for name in parents if (p := session_id(name)) is not None and p != sid]
+            info.parents = tuple(session_filename(route, p, fingerprint, owner) for p in ids)
         if info.comparison is not None:
             log.info("session_prompt file=%s %s", name, info.comparison.log_line())
         return Content(name, prompt.exact, keep=True, session=sid, model=prompt.model, fingerprint=fingerprint)

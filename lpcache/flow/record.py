@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from lpcache.backends.admission import Ticket
+
 log = logging.getLogger("lpcache.request")
 
 
@@ -64,7 +66,12 @@ class RequestRecord:
     save_ms: float | None = None
     save_bytes: int | None = None      # written by the server to the slot file
     retries: int = 0                   # failovers to another backend or slot
-    session: str | None = None         # X-Session-ID, when it is a valid one (session mode)
+    session: str | None = None         # its session, when it names a valid one (session mode)
+    session_source: str | None = None  # where that session came from (`agent_ids.SOURCES`: a header's name)
+    seeded: str | None = None          # a new session's first turn started from: resident, file, session, parent
+    ticket: Ticket = field(default_factory=Ticket)   # its client and priority class in the line (`admission`)
+    max_wait: float | None = None      # the longest it may wait for a slot, when it asked (else SLOT_WAIT_TIMEOUT)
+    queue_ms: float | None = None      # how long it waited for its slot
     swap_saved: bool | None = None     # the slot's previous cache was saved before this request used the slot
     swap_save_ms: float | None = None
     swap_save_bytes: int | None = None

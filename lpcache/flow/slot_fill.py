@@ -47,10 +47,11 @@ from lpcache.cache.reuse import ReuseWatch
 from lpcache.cache.sessions import SessionBook, route_name
 from lpcache.cache.speeds import SpeedBook, Speeds
 from lpcache.config import Settings
-from lpcache.errors import SlotsBusy
+from lpcache.errors import QueueFull, SlotsBusy
 from lpcache.flow import cache_outcome
 from lpcache.flow.record import RequestRecord
 from lpcache.flow.saving import Saver, resavable, slot_files_off
+from lpcache.flow.session_seed import SessionSeeds
 
 log = logging.getLogger("lpcache.slot_fill")
 
@@ -69,6 +70,7 @@ class SlotFiller:
         self.routers = routers
         self.saver = saver
         self.server_caches = saver.server_caches
+        self.seeds = SessionSeeds(sessions, self.backends, saver.folders, settings.words_per_block)
         index.held = self.held_keys
         saver.save_later = self.save_later
 
@@ -191,29 +193,47 @@ class SlotFiller:
                         want: Content | None = None, answer_tokens: int | None = None) -> Choice:
         session = want.key if want is not None else None
         homes = self.session_homes(want)
-        asked = Want(prompt, self.lookup(prompt) if want is None else (lambda: None), allowed, session, homes,
-                     self.pays(prompt), self.index.protect, self.index.unprotect,
-                     (lambda: self.warm(prompt)) if want is None else None, self.index.__contains__)
+        fresh = self.seeds.starts_anew(want, prompt) if want is not None else None
+        if fresh is not None and want is not None:
+            # a new session starts where its prompt is cached, as in prefix mode: a slot that holds its prefix, a
+            # prefix-mode file, another session's file of its client key (its parent's first)
+            seeds = self.seeds.seed_lookup(prompt, want, fresh, self.lookup(prompt))
+            # (not steered to a server's RAM: what it holds there may be another client key's)
+            asked = Want(prompt, seeds, allowed, session, frozenset(), self.pays(prompt), self.index.protect,
+                         self.index.unprotect, None, self.index.__contains__, seed=True,
+                         mine=self.seeds.owned_by(fresh.owner))
+        else:
+            asked = Want(prompt, self.lookup(prompt) if want is None else (lambda: None), allowed, session, homes,
+                         self.pays(prompt), self.index.protect, self.index.unprotect,
+                         (lambda: self.warm(prompt)) if want is None else None, self.index.__contains__)
         asked.answer_tokens = answer_tokens
+        asked.ticket, asked.max_wait = record.ticket, record.max_wait
+        planned_for = None if fresh is not None else session
 
         def plan_again() -> WaitPlan | None:
-            return wait_plan(self.pool.slots, prompt, asked.lookup(), allowed, session, homes, self.budget(prompt))
+            return wait_plan(self.pool.slots, prompt, asked.lookup(), allowed, planned_for, homes,
+                             self.budget(prompt), asked.mine)
 
         plan = plan_again()
         started = time.perf_counter()
         try:
-            choice, planned = await self.pool.take(asked, plan, replan=plan_again)
-        except SlotsBusy:
-            record.reason = "slot_timeout"
+            choice, planned = await self.pool.take(asked, plan, asked.max_wait, replan=plan_again)
+        except (SlotsBusy, QueueFull) as e:
+            record.reason = "slot_timeout" if e.code == "all_slots_busy" else str(e.code)
+            record.queue_ms = (time.perf_counter() - started) * 1000.0
             raise
-        if want is None:
+        record.queue_ms = (time.perf_counter() - started) * 1000.0
+        self.pool.waited(asked, record.queue_ms / 1000.0)
+        if want is None or fresh is not None:
             choice = await self.after_save_under_way(choice, asked, prompt)
+        if fresh is not None:
+            choice = replace(choice, seed=True)
         if plan is not None and not planned:
             log.info("own_slot_still_busy key=%s plan_s=%.2f waited_s=%.2f: the busy slot that holds more of the "
                      "prompt was not free within plan_s (what waiting for it could spare), or went to a request ahead "
                      "in line; the request took the first slot to come free (waited_s: both waits)", prompt.key[:16],
                      plan.seconds, time.perf_counter() - started)
-        if homes and choice.slot.backend not in homes:
+        if fresh is None and homes and choice.slot.backend not in homes:
             budget = self.budget(prompt)
             log.info("session_away file=%s slot=%s homes=%s plan=%s waited=%s home_slots=%s speeds=%s: the session's "
                      "newest file is not on this server; its prompt is computed (after an older copy of the file "
@@ -236,6 +256,10 @@ class SlotFiller:
         record.backend, record.slot = self.backends[choice.slot.backend].url, choice.slot.id
         record.restore_skipped = choice.skipped or None
         record.route = ("waited_" if planned else "") + route_of(choice, want)
+        if fresh is not None:
+            record.seeded = self.seeds.seeded_from(choice, fresh)
+            if record.seeded is not None:
+                record.route += "_seeded"
         if choice.warm:
             speeds = self.speeds.of(choice.slot.backend, RouterModels.served(self.backends[choice.slot.backend],
                                                                              prompt.model))
@@ -361,13 +385,17 @@ class SlotFiller:
                 log.warning("slot_fill_skipped_lease slot=%s: the slot's lease lapsed", choice.slot.name)
                 choice.slot.content = None
                 return
-            if want is not None:
+            if want is not None and choice.seed and choice.restore is not None:
+                # a session starting anew, seeded from a saved cache (`take_slot`): restored as in prefix mode,
+                # below; the slot holds the session's cache once the answer is in
+                pass
+            elif want is not None:
                 if want.fingerprint is not None and backend.identity(route_name(prompt.model)) != want.fingerprint:
                     # this backend runs another model than the one the session's file was named for: never
                     # restore it here, and what the slot will hold is not that file's
                     choice.slot.content = None
                     return
-                await self.swap_session(choice, backend, prompt, want, record)
+                await self.swap_session(choice, backend, prompt, want, record, seed=choice.seed)
                 return
             slot, restoring = choice.slot, choice.restore is not None
             held = slot.content
@@ -416,14 +444,15 @@ class SlotFiller:
         assert choice.restore is not None
         candidate, slot = choice.restore, choice.slot
         entry = candidate.entry
+        seed = self.sessions.get(entry.key)   # another session's file, seeding a new session (`session_seed`)
         present = await asyncio.to_thread(self.index.file_present, entry, slot.slot_save_path)
-        if entry.key not in self.index or present is False:
+        if (seed is None and entry.key not in self.index) or present is False:
             self.index.lost += 1
             record.restore_lost = True
             log.warning("restore_lost key=%s slot=%s: the chosen cache's file is gone (%s); the slot keeps what it "
                         "holds and the prompt is computed", entry.key[:16], slot.name,
                         "its entry was removed" if entry.key not in self.index else "not in the folder")
-            if entry.key in self.index:
+            if seed is None and entry.key in self.index:
                 await self.index.discard_if_stale(entry.key)
             return
         previous = slot.content
@@ -443,14 +472,17 @@ class SlotFiller:
             record.restore_expected = min(restored_tokens, entry.n_tokens or restored_tokens) * min(share, 1.0)
             chain = entry.exact if candidate.exact else ()
             slot.content = Content(entry.key, chain, saved=True, keep=True, model=prompt.model,
-                                   tokens=result.count("n_restored"), fingerprint=entry.fingerprint)
+                                   tokens=result.count("n_restored"), fingerprint=entry.fingerprint,
+                                   session=seed.session if seed is not None else None)
             record.cache_hit = candidate.exact
-            self.saver.spawn(self.index.touch(entry.key))  # the file timestamp is rewritten off the path
+            if seed is None:
+                self.saver.spawn(self.index.touch(entry.key))  # the file timestamp is rewritten off the path
             return
         log.warning("restore_failed key=%s slot=%s status=%s reason=%r: the server cleared the slot", entry.key[:16],
                     slot.name, result.status, result.error)
         slot.content = None
-        await self.index.discard_if_stale(entry.key)
+        if seed is None:
+            await self.index.discard_if_stale(entry.key)
         if previous is not None and previous.saved:
             back = await swap.restore_file(backend.client, slot.id, previous.key, model)
             if back.ok:
@@ -471,11 +503,13 @@ class SlotFiller:
             backend.ram.restored(speeds.prefill.seconds(record.restored_tokens or 0))
 
     async def swap_session(self, choice: Choice, backend: Backend, prompt: Prompt, want: Content,
-                           record: RequestRecord) -> None:
+                           record: RequestRecord, seed: bool = False) -> None:
+        """Swap the session's file in (what the slot held saved first when it has to be). `seed`: the session
+        starts anew in a slot chosen as in prefix mode, which keeps what it holds (its prefix, or nothing better)."""
         slot = choice.slot
         info = self.sessions.get(want.key)
-        restore = True
-        if info is not None and (slot.content is None or slot.content.key != want.key):
+        restore = not seed
+        if not seed and info is not None and (slot.content is None or slot.content.key != want.key):
             speeds = self.speeds.of(backend.index, RouterModels.served(backend, prompt.model))
             found = self.server_caches.find(prompt.exact)
             shares = common_prefix(slot.content.chain, prompt.exact) if slot.content is not None else 0

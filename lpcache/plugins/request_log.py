@@ -20,6 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from lpcache.backends.admission import CLASSES
 from lpcache.config.version import __version__
 from lpcache.flow.record import RequestRecord
 from lpcache.plugins.base import Observer, PluginError
@@ -82,9 +83,19 @@ _GETTERS: dict[str, Callable[[RequestRecord], Any]] = {
     # ... and why its slot was chosen (resident, restore, session, server_ram, prefill; waited_: after a wait for a
     # busy slot; docs/operations.md "Why a request went where it went").
     "lpcache-route": lambda r: r.route,
+    # ... where its session came from (x-session-id, x-claude-code-session-id, session-id, metadata.user_id; -
+    # in prefix mode: `agent_ids`) ...
+    "lpcache-session-source": lambda r: r.session_source,
+    # ... what a new session's first turn started from (resident, file, session, parent: `slot_fill`) ...
+    "lpcache-seeded": lambda r: r.seeded,
+    # ... its priority class and how long it waited for its slot (`backends.admission`).
+    "lpcache-priority": lambda r: CLASSES[r.ticket.priority],
+    "lpcache-queue-ms": lambda r: r.queue_ms,
 }
 
-FIELDS: tuple[str, ...] = tuple(name for name in _GETTERS if name not in ("lpcache-api", "lpcache-route"))
+_EXTRA = ("lpcache-api", "lpcache-route", "lpcache-session-source", "lpcache-seeded", "lpcache-priority",
+          "lpcache-queue-ms")
+FIELDS: tuple[str, ...] = tuple(name for name in _GETTERS if name not in _EXTRA)
 KNOWN: tuple[str, ...] = tuple(_GETTERS)
 _BY_LOWER = {name.lower(): name for name in KNOWN}
 

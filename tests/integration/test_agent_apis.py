@@ -362,18 +362,20 @@ def test_coalesced_messages_streams_that_break_end_alike(start_backend: Any, sta
     assert b'"choices"' not in bodies[0] and b"event: content_block_delta" in bodies[0]
 
 
-@pytest.mark.parametrize(("api", "servers", "learnt", "stream", "waits"), [
-    ("responses", 1, False, True, True), ("messages", 1, False, True, True), ("messages", 1, True, False, True),
-    ("messages", 1, False, False, False), ("messages", 2, False, True, False)])
+@pytest.mark.parametrize(("api", "servers", "learnt", "stream", "waits", "max_tokens"), [
+    ("responses", 1, False, True, True, 4), ("messages", 1, False, True, True, 4),
+    ("messages", 1, True, False, True, 4), ("messages", 1, False, False, True, 4),
+    ("messages", 1, False, False, False, 4096), ("messages", 2, False, True, False, 4)])
 def test_a_session_starting_beside_another_on_one_server_waits_for_its_harness(
         start_backend: Any, start_proxy: Any, api: str, servers: int, learnt: bool, stream: bool,
-        waits: bool) -> None:
+        waits: bool, max_tokens: int) -> None:
     """Two agent sessions of one harness (system prompt and tool schemas) start together. On one server (-np 2) the
     second waits for the first's slot and computes only its own task: a prefill beside the first would share that
     server's compute and compute the harness twice. A streamed first request is waited out to its first token,
-    then for as long as the harness's prefill (measured on it) would take; a JSON one only at learnt speeds
-    (`learnt`: a request before them taught lpcache the server's speeds). With an idle slot on another server the
-    second goes there at once."""
+    then for as long as the harness's prefill (measured on it) would take; a JSON one at learnt speeds (`learnt`:
+    a request before them taught lpcache the server's speeds), or before them when its `max_tokens` makes its answer
+    surely shorter to generate than the harness is to prefill (not with a 4096-token cap). With an idle slot on
+    another server the second goes there at once."""
     speed = {"prefill_ms_per_token": 1.0, "gen_ms_per_token": 1.0}
     backends = ([start_backend(slots=2, **speed)] if servers == 1 else
                 [start_backend(slots=1, **speed) for _ in range(2)])
@@ -389,8 +391,8 @@ def test_a_session_starting_beside_another_on_one_server_waits_for_its_harness(
     answers: list[httpx.Response] = []
 
     def send(session: agents.Session) -> None:
-        answers.append(proxy.client.post(agents.API_PATHS[api], json=session.body(0, max_tokens=4, stream=stream),
-                                         timeout=60))
+        answers.append(proxy.client.post(agents.API_PATHS[api], json=session.body(0, max_tokens=max_tokens,
+                                                                                   stream=stream), timeout=60))
 
     known = sum(mock_stats(b)["chat_requests"] for b in backends)
     leader = threading.Thread(target=send, args=(first,))

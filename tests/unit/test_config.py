@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -54,7 +55,10 @@ VALID = {
     "SAVE_RETRIES": "5",
     "SAVE_RETRY_DELAY_MS": "10",
     "SLOT_WAIT_TIMEOUT": "30",
+    "QUEUE_MAX": "12",
+    "CLIENT_PRIORITIES": "k2=HIGH, k1=low",
     "COALESCE_REQUESTS": "true",
+    "AGENT_SESSION_IDS": "false",
     "LPCACHE_API_KEYS": "k1, k2",
     "MAX_BODY_BYTES": "1000",
     "CLIENT_TIMEOUT": "7.5",
@@ -209,7 +213,8 @@ def test_parser_accepts_every_flag() -> None:
     for o in OPTIONS:
         ns = parser.parse_args([o.flag, VALID[o.env]])
         assert getattr(ns, o.env) == VALID[o.env]
-        assert load([o.flag, VALID[o.env]]).sources[o.env] == "flag"
+        keys = {"LPCACHE_API_KEYS": VALID["LPCACHE_API_KEYS"]} if o.env == "CLIENT_PRIORITIES" else {}
+        assert load([o.flag, VALID[o.env]], **keys).sources[o.env] == "flag"
     argv = [arg for o in OPTIONS for arg in (o.flag, VALID[o.env])]
     s = load(argv)
     assert all(source == "flag" for source in s.sources.values())
@@ -225,7 +230,30 @@ def test_every_option_from_env() -> None:
     assert (s.host, s.port, s.llama_api_key, s.log_level) == ("127.0.0.1", 9999, "secret", "ERROR")
     assert (s.stream_queue_size, s.save_retries, s.save_retry_delay_ms, s.slot_wait_timeout) == (2, 5, 10, 30.0)
     assert (s.coalesce_requests, s.api_keys, s.max_body_bytes, s.client_timeout) == (True, ("k1", "k2"), 1000, 7.5)
+    assert s.agent_session_ids is False
+    assert (s.queue_max, s.client_priorities) == (12, (("k2", "high"), ("k1", "low")))
     assert (s.breaker_cooldown_ms, s.breaker_max_cooldown_ms, s.shutdown_timeout) == (50, 4000, 5.0)
+
+
+@pytest.mark.parametrize("pairs, problem", [
+    ("k1", "KEY=high|normal|low"), ("k1=urgent", "KEY=high|normal|low"), ("=high", "KEY=high|normal|low"),
+    ("k3=high", "pair 1 names a key that is not in LPCACHE_API_KEYS"),
+    ("k1=low,k9=high", "pair 2 names a key"),
+])
+def test_client_priorities_are_checked_without_showing_a_key(pairs: str, problem: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load(LPCACHE_API_KEYS="k1,k2", CLIENT_PRIORITIES=pairs)
+    assert e.value.variable == "CLIENT_PRIORITIES" and problem in str(e.value) and "k9" not in str(e.value)
+
+
+def test_client_priorities_from_a_file(tmp_path: Any) -> None:
+    f = tmp_path / "priorities"
+    f.write_text("# interactive users first\nalpha-key=high\n\nbatch-key = low\n")
+    s = load(LPCACHE_API_KEYS="alpha-key,batch-key", CLIENT_PRIORITIES=f"@{f}")
+    assert s.client_priorities == (("alpha-key", "high"), ("batch-key", "low"))
+    assert "client_priorities=key1=high,key2=low" in describe(s)
+    with pytest.raises(ConfigError):
+        load(LPCACHE_API_KEYS="a", CLIENT_PRIORITIES=f"@{tmp_path / 'missing'}")
 
 
 def test_blank_api_key_means_no_auth() -> None:
@@ -448,6 +476,7 @@ def test_help_text_in_process_mentions_every_variable() -> None:
 def test_hardening_defaults() -> None:
     s = load()
     assert (s.coalesce_requests, s.api_keys, s.max_body_bytes) == (False, (), 16 * 1024 * 1024)
+    assert s.agent_session_ids is True
     assert (s.breaker_cooldown_ms, s.breaker_max_cooldown_ms, s.shutdown_timeout) == (1000, 60000, 30.0)
 
 

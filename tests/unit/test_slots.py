@@ -465,10 +465,13 @@ def test_wait_plan_says_when_the_alternative_prefills_beside_the_busy_slot() -> 
     same.busy = other.busy = True
     assert wait_plan([busy, same, other], mine, None, None, None, frozenset(), budget) is not None
     assert asked == [True, False, True, False]
-    # a busy slot another request already waits for is not planned on again (only one of them would get it)
+    # a busy slot another request already waits for is not planned on again (only one of them would get it) ...
     same.busy = other.busy = False
     busy.replans.append(lambda: None)
-    assert wait_plan([busy, same], mine, None, None, None, frozenset(), budget) is None
+    assert wait_plan([busy, other], mine, None, lambda s: s is not same, None, frozenset(), budget) is None
+    # ... unless every idle slot is on its server: a prefill there would share its compute, so the later ones wait
+    # too (one then gets the slot, the others restore the file its cache is saved to)
+    assert wait_plan([busy, same], mine, None, None, None, frozenset(), budget) is not None
 
 
 async def test_a_planned_wait_is_decided_again_when_its_slots_request_progresses() -> None:

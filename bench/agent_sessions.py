@@ -1,0 +1,320 @@
+"""Agents as they connect (issue 23): their own session ids, sub-agents that start from their parents' harness, and
+many agents of two client keys on few slots. On a real llama-server (build 11434, SmolLM2-135M, `-np 2 --cache-ram
+0`, `bench/templates/chatml-tools.jinja`), behind lpcache with its defaults.
+
+Part `sessions`: 4 parent sessions of one coding-agent harness (`lpcache.workloads.agents`: a system prompt and eight
+tool schemas, ~2,500 tokens), each starting 2 sub-agents after its first turn, every session a task and 4 tool
+exchanges through `POST /v1/messages` (max_tokens 8), 4 requests at a time. Sent without any session header, and
+with the headers each client sends: OpenCode (`x-session-id`, a sub-agent's `x-parent-session-id`), Claude Code
+(`x-claude-code-session-id`, a sub-agent's `x-claude-code-agent-id`), Codex (`session-id`, a spawned thread's
+`thread-id` and `x-codex-parent-thread-id`). The prompt tokens llama-server computed (its `/metrics`) over the ideal
+(each request's tokens no earlier request's prompt shared as a token prefix). Target: at most 1.1x the ideal with
+every header, and never more than without one.
+
+Part `admission`: two client keys (`LPCACHE_API_KEYS`), 2 slots. Key b's 4 agents (a task and 2 tool exchanges each,
+closed loop) alone; then key a's 12 agents sent all at once beside them (a burst), with one request of key b asking
+`X-Lpcache-Priority: high` (CLIENT_PRIORITIES lets b ask for it) sent once the burst waits; then `QUEUE_MAX=6` under
+the same burst with requests asking `X-Lpcache-Max-Wait: 1`. It reports b's median wait for a slot (the request
+log's `lpcache-queue-ms`) alone and beside the burst (target: within 2x), the high-priority request's wait against
+the longest time a request held a slot then (target: at most one running generation), and every status returned
+(refusals with their `Retry-After`; target: no 500).
+
+Writes a section between the `agent-sessions` markers of docs/benchmarks.md and bench/results/agent_sessions.json.
+Run: python bench/agent_sessions.py [--parts sessions,admission] [--no-docs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import llama_machine_text, replace_section, table  # noqa: E402
+from agents_replay import prompt_tokens  # noqa: E402
+from aiperf_scenario import computed_tokens  # noqa: E402
+
+from lpcache.workloads.agents import Session, sessions  # noqa: E402
+from lpcache.workloads.harness import REPO, LlamaServer, LpcacheProcess, llama_paths  # noqa: E402
+
+TEMPLATE = REPO / "bench" / "templates" / "chatml-tools.jinja"
+DOC = REPO / "docs" / "benchmarks.md"
+RESULTS = REPO / "bench" / "results" / "agent_sessions.json"
+START, END = "<!-- agent-sessions:start -->", "<!-- agent-sessions:end -->"
+MODES = ("none", "x-session-id", "claude-code", "codex")
+PARENTS, SUBS, STEPS, CONCURRENCY, MAX_TOKENS = 4, 2, 4, 4, 8
+KEY_A, KEY_B = "bench-key-a", "bench-key-b"
+
+
+def headers_of(mode: str, s: Session, parent: int | None) -> dict[str, str]:
+    """The session headers a client sends for session `s` (a sub-agent of `parent`), as its sources do."""
+    sid = f"sess-{s.index:02d}-7f3a"
+    root = f"sess-{parent:02d}-7f3a" if parent is not None else None
+    if mode == "x-session-id":
+        return {"x-session-id": sid, **({"x-parent-session-id": root} if root else {})}
+    if mode == "claude-code":
+        return ({"x-claude-code-session-id": sid} if root is None else
+                {"x-claude-code-session-id": root, "x-claude-code-agent-id": f"a{s.index}"})
+    if mode == "codex":
+        return ({"session-id": sid, "thread-id": sid} if root is None else
+                {"session-id": root, "thread-id": f"th-{s.index}", "x-codex-parent-thread-id": root})
+    return {}
+
+
+def drive(url: str, starts: Sequence[Session], then: dict[int, Sequence[Session]], concurrency: int,
+          headers: Callable[[Session], dict[str, str]], statuses: list[tuple[int, str | None]] | None = None,
+          max_tokens: int = MAX_TOKENS) -> list[tuple[int, int]]:
+    """Closed loop: each session's turns in order, `concurrency` requests at a time; a session's sub-agents
+    (`then`) start after its first turn. Returns (session, turn) in the order answered."""
+    ready: queue.Queue[tuple[Session, int]] = queue.Queue()
+    for s in starts:
+        ready.put((s, 0))
+    left = [sum(s.turns for s in starts) + sum(x.turns for subs in then.values() for x in subs)]
+    order: list[tuple[int, int]] = []
+    lock = threading.Lock()
+
+    def worker() -> None:
+        with httpx.Client(timeout=900) as client:
+            while True:
+                with lock:
+                    if left[0] <= 0:
+                        return
+                try:
+                    s, turn = ready.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                r = client.post(url + "/v1/messages", json=s.body(turn, max_tokens=max_tokens), headers=headers(s))
+                with lock:
+                    if statuses is not None:
+                        statuses.append((r.status_code, r.headers.get("retry-after")))
+                    order.append((s.index, turn))
+                    left[0] -= 1 if r.status_code == 200 else s.turns - turn   # a refused session stops
+                if r.status_code != 200:
+                    if statuses is None:
+                        raise RuntimeError(f"{r.status_code}: {r.text[:300]}")
+                    continue
+                if turn + 1 < s.turns:
+                    ready.put((s, turn + 1))
+                if turn == 0:
+                    for sub in then.get(s.index, ()):
+                        ready.put((sub, 0))
+
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return order
+
+
+def lcp(a: Sequence[int], b: Sequence[int]) -> int:
+    n, m = 0, min(len(a), len(b))
+    while n < m and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def ideal_of(order: Sequence[tuple[int, int]], tokens: dict[tuple[int, int], list[int]]) -> int:
+    seen: list[list[int]] = []
+    total = 0
+    for key in order:
+        t = tokens[key]
+        total += len(t) - max((lcp(t, u) for u in seen), default=0)
+        seen.append(t)
+    return total
+
+
+def server(slots: str) -> LlamaServer:
+    return LlamaServer(slots, n_slots=2, ctx=16384 * 2, cache_ram=0,
+                       extra=["--metrics", "--chat-template-file", str(TEMPLATE)])
+
+
+def part_sessions(say: Callable[[str], None]) -> dict[str, Any]:
+    everyone = sessions(PARENTS * (1 + SUBS), steps=STEPS, seed=23, apis=("messages",))
+    parents = everyone[:PARENTS]
+    subs = {p.index: everyone[PARENTS + SUBS * i: PARENTS + SUBS * (i + 1)] for i, p in enumerate(parents)}
+    parent_of = {sub.index: p for p, ss in subs.items() for sub in ss}
+    with LlamaServer(None, n_slots=1, ctx=16384, cache_ram=0, extra=["--chat-template-file", str(TEMPLATE)]) as s:
+        tokens = prompt_tokens(s.url, everyone)
+    harness = lcp(tokens[(0, 0)], tokens[(1, 0)])
+    rows: dict[str, Any] = {"harness_tokens": harness, "requests": len(tokens), "modes": {}}
+    for mode in MODES:
+        work = Path(tempfile.mkdtemp(prefix="bench-agent-sessions-"))
+        try:
+            with server(str(work / "slots")) as llama:
+                proxy = LpcacheProcess({"BACKENDS": json.dumps([{"url": llama.url, "slot_save_path":
+                                                                 str(work / "slots")}]),
+                                        "META_DIR": str(work / "meta"), "LOG_LEVEL": "WARNING"})
+                try:
+                    before, started = computed_tokens(llama.url), time.monotonic()
+                    order = drive(proxy.url, parents, subs, CONCURRENCY,
+                                  lambda s, m=mode: headers_of(m, s, parent_of.get(s.index)))
+                    took, computed = time.monotonic() - started, computed_tokens(llama.url) - before
+                    seeds = {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in
+                             httpx.get(proxy.url + "/metrics").text.splitlines()
+                             if line.startswith("lpcache_session_seeds_total{")}
+                finally:
+                    proxy.stop()
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        ideal = ideal_of(order, tokens)
+        rows["modes"][mode] = {"computed": computed, "ideal": ideal, "x_ideal": round(computed / ideal, 3),
+                               "seconds": round(took, 1), "seeds": {k: int(v) for k, v in seeds.items() if v}}
+        say(f"sessions {mode}: computed {computed} / ideal {ideal} = {computed / ideal:.3f}, {took:.0f} s, "
+            f"seeds {rows['modes'][mode]['seeds']}")
+    return rows
+
+
+def waits_of(log: Path, agent: str) -> list[float]:
+    """`lpcache-queue-ms` of the answered requests whose User-Agent is `agent` (the request log)."""
+    out = []
+    for line in log.read_text().splitlines():
+        if line.startswith("#"):
+            continue
+        ua, status, queue_ms, *_ = line.split()
+        if ua == agent and status == "200" and queue_ms != "-":
+            out.append(float(queue_ms))
+    return out
+
+
+def admission_run(label: str, settings: dict[str, str], burst: bool, say: Callable[[str], None],
+                  max_wait: str | None = None) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="bench-admission-"))
+    log = work / "requests.log"
+    everyone = sessions(16, steps=2, seed=7, apis=("messages",))
+    b_agents, a_agents = everyone[:4], everyone[4:]
+    statuses: list[tuple[int, str | None]] = []
+    urgent: dict[str, Any] = {}
+    try:
+        with server(str(work / "slots")) as llama:
+            proxy = LpcacheProcess({
+                "BACKENDS": json.dumps([{"url": llama.url, "slot_save_path": str(work / "slots")}]),
+                "META_DIR": str(work / "meta"), "LOG_LEVEL": "WARNING", "LPCACHE_API_KEYS": f"{KEY_A},{KEY_B}",
+                "CLIENT_PRIORITIES": f"{KEY_B}=high", "REQUEST_LOG": "true", "REQUEST_LOG_PATH": str(log),
+                "REQUEST_LOG_FIELDS": "cs(User-Agent),sc-status,lpcache-queue-ms,lpcache-priority,cs-time",
+                **settings})
+            try:
+                # warm-up: the harness computed once, and the slots' hold times learnt, for every run alike
+                drive(proxy.url, everyone[:1], {}, 1, lambda s: {"Authorization": f"Bearer {KEY_B}",
+                                                               "User-Agent": "warm-up"})
+                headers_b = lambda s: {"Authorization": f"Bearer {KEY_B}", "User-Agent": "agent-b",  # noqa: E731
+                                       "x-session-id": f"b{s.index}", "X-Lpcache-Priority": "normal"}
+                extra = {"X-Lpcache-Max-Wait": max_wait} if max_wait else {}
+                headers_a = lambda s: {"Authorization": f"Bearer {KEY_A}", "User-Agent": "agent-a",  # noqa: E731
+                                       "x-session-id": f"a{s.index}", **extra}
+                threads = [threading.Thread(target=drive, args=(proxy.url, b_agents, {}, len(b_agents), headers_b,
+                                                                statuses))]
+                if burst:
+                    threads.append(threading.Thread(target=drive, args=(proxy.url, a_agents, {}, len(a_agents),
+                                                                        headers_a, statuses)))
+                for t in threads:
+                    t.start()
+                if burst and not settings:
+                    deadline = time.monotonic() + 120
+                    while time.monotonic() < deadline and "lpcache_queue_depth{priority=\"normal\"} 0.0" in \
+                            httpx.get(proxy.url + "/metrics").text:
+                        time.sleep(0.05)   # until the burst waits in line
+                    started = time.monotonic()
+                    r = httpx.post(proxy.url + "/v1/messages", json=everyone[0].body(1, max_tokens=MAX_TOKENS),
+                                   headers={"Authorization": f"Bearer {KEY_B}", "User-Agent": "urgent",
+                                            "X-Lpcache-Priority": "high"}, timeout=900)
+                    urgent = {"status": r.status_code, "seconds": round(time.monotonic() - started, 2)}
+                for t in threads:
+                    t.join()
+            finally:
+                proxy.stop()
+        rows = [line.split() for line in log.read_text().splitlines() if not line.startswith("#")]
+        holds = [float(r[4]) - float(r[2]) for r in rows if r[1] == "200" and r[2] != "-" and r[4] != "-"]
+        if urgent:
+            urgent["queue_ms"] = next(float(r[2]) for r in rows if r[0] == "urgent")
+            urgent["longest_hold_ms"] = round(max(holds), 1)
+        b = waits_of(log, "agent-b")
+        result = {"label": label, "b_wait_p50_ms": round(statistics.median(b), 1) if b else None,
+                  "b_requests": len(b), "a_requests": len(waits_of(log, "agent-a")), "urgent": urgent,
+                  "statuses": sorted({str(s) for s, _ in statuses}),
+                  "status_counts": {str(s): sum(1 for x, _ in statuses if x == s) for s, _ in statuses},
+                  "retry_after": sorted({ra for s, ra in statuses if s != 200 and ra is not None}),
+                  "refusals_without_retry_after": sum(1 for s, ra in statuses if s in (429, 503) and ra is None)}
+        say(f"admission {label}: {result}")
+        return result
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def part_admission(say: Callable[[str], None]) -> dict[str, Any]:
+    return {"alone": admission_run("key b alone", {}, False, say),
+            "burst": admission_run("key b beside key a's burst", {}, True, say),
+            "queue_max": admission_run("QUEUE_MAX=6, X-Lpcache-Max-Wait 1 s", {"QUEUE_MAX": "6"}, True, say,
+                                       max_wait="1")}
+
+
+def markdown(report: dict[str, Any]) -> str:
+    out = [START, "", "## Agents as they connect: session headers, sub-agents, two client keys "
+           "(`bench/agent_sessions.py`)", "", report["machine"], ""]
+    s = report.get("sessions")
+    if s:
+        out += [f"4 parent sessions of one harness ({s['harness_tokens']} tokens), each starting 2 sub-agents "
+                f"after its first turn, a task and {STEPS} tool exchanges each ({s['requests']} requests), "
+                f"`POST /v1/messages`, {CONCURRENCY} at a time, `-np 2 --cache-ram 0`, lpcache's defaults. "
+                "Target: at most 1.1x the ideal, and never more than without a session header.", "",
+                table(["session headers", "computed", "ideal", "x ideal", "time s", "new sessions started from"],
+                      [[m, r["computed"], r["ideal"], f"{r['x_ideal']:.3f}", r["seconds"],
+                        ", ".join(f"{k} {v}" for k, v in sorted(r["seeds"].items())) or "-"]
+                       for m, r in s["modes"].items()]), ""]
+    a = report.get("admission")
+    if a:
+        alone, burst, bounded = a["alone"], a["burst"], a["queue_max"]
+        ratio = burst["b_wait_p50_ms"] / alone["b_wait_p50_ms"] if alone["b_wait_p50_ms"] else None
+        out += ["Two client keys on 2 slots: key b's 4 agents (closed loop), alone and beside key a's 12 agents sent "
+                "at once; one request of key b with `X-Lpcache-Priority: high` sent while the burst waits; then "
+                "`QUEUE_MAX=6` under the same burst, key a asking `X-Lpcache-Max-Wait: 1`.", "",
+                table(["run", "key b wait p50 ms", "requests b / a", "statuses", "Retry-After (s)"],
+                      [[r["label"], r["b_wait_p50_ms"], f"{r['b_requests']} / {r['a_requests']}",
+                        ", ".join(f"{k}: {v}" for k, v in sorted(r["status_counts"].items())),
+                        ", ".join(r["retry_after"]) or "-"] for r in (alone, burst, bounded)]), "",
+                f"Key b's median wait beside the burst: {ratio:.2f}x its wait alone (target 2x)." if ratio else "",
+                f"The high-priority request waited {burst['urgent'].get('queue_ms')} ms for its slot; the longest a "
+                f"request held a slot in that run: {burst['urgent'].get('longest_hold_ms')} ms (target: at most one "
+                "running generation)." if burst.get("urgent") else "",
+                f"Refusals without Retry-After: {bounded['refusals_without_retry_after']}; 500s: "
+                f"{sum(r['status_counts'].get('500', 0) for r in (alone, burst, bounded))}.", ""]
+    return "\n".join(out + [END])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--parts", default="sessions,admission", help="sessions, admission (default: both)")
+    ap.add_argument("--no-docs", action="store_true", help="print only; do not write docs/ and bench/results/")
+    args = ap.parse_args(argv)
+    started = time.monotonic()
+    binary, gguf = llama_paths()
+    report: dict[str, Any] = {"machine": llama_machine_text(binary, gguf)}
+    parts = args.parts.split(",")
+    if "sessions" in parts:
+        report["sessions"] = part_sessions(print)
+    if "admission" in parts:
+        report["admission"] = part_admission(print)
+    report["minutes"] = round((time.monotonic() - started) / 60, 1)
+    text = markdown(report)
+    print(text)
+    if not args.no_docs:
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        RESULTS.write_text(json.dumps(report, indent=1) + "\n")
+        replace_section(DOC, START, END, text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""Where a session that starts anew starts from: its first turn, a session whose file is gone, or one whose prompt
+left what its file holds. Session mode alone started such a request from nothing (a sub-agent computed its whole
+harness again, while the same requests without a header restored it), so it is placed as in prefix mode: a slot
+that holds its prefix, a prefix-mode file, or the file of another session of the same client key, route and model
+(its parent's first, when the client names one: `agent_ids`), whichever shares most of the prompt. Never a session
+of another client key: the book lists only the owner's (`SessionBook.all`). What each started from is counted
+(`seeds`, in /metrics) and recorded (`RequestRecord.seeded`, the request log's `lpcache-seeded`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+from lpcache.backends.backend import Backend
+from lpcache.backends.placement import Choice
+from lpcache.backends.slots import Content, Slot
+from lpcache.backends.swap import Folders
+from lpcache.cache.meta_files import Candidate, MetaEntry
+from lpcache.cache.prefix import Prompt, common_prefix
+from lpcache.cache.sessions import SessionBook, SessionInfo
+
+SEED_SOURCES = ("resident", "file", "session", "parent", "none")   # what a session starting anew started from
+
+
+class SessionSeeds:
+    def __init__(self, sessions: SessionBook, backends: Sequence[Backend], folders: Sequence[Folders],
+                 words_per_block: int) -> None:
+        self.sessions = sessions
+        self.backends = backends
+        self.folders = folders
+        self.words_per_block = words_per_block
+        self.seeds: Counter[str] = Counter()
+
+    def starts_anew(self, want: Content, prompt: Prompt) -> SessionInfo | None:
+        """The session's entry when its file is no place to start from: it has none (its first turn, or its file is
+        gone), or the prompt does not continue what its file holds (two conversations sending one session id, a
+        client that rewrote its history): the request is placed as in prefix mode (`seed_lookup`), so a session
+        is never worse off than the same requests without the header. None: the session's own file (or a folder
+        lpcache cannot see, where it may be) is where it starts."""
+        info = self.sessions.get(want.key)
+        if info is None:
+            return None
+        if info.saved_chain and common_prefix(info.saved_chain, prompt.exact) < len(info.saved_chain) - 1:
+            return info   # its last block may differ: the generation prompt, where the answer now follows
+        for home in info.homes:
+            if self.file_there(home, want.key) is not False:
+                return None
+        return info
+
+    def owned_by(self, owner: str | None) -> Callable[[Slot], bool]:
+        """The slots a session of `owner` may start on for what they hold: any but those holding (or about to hold)
+        another client key's session."""
+        def mine(slot: Slot) -> bool:
+            held = (slot.pending or slot.content) if slot.busy else slot.content
+            if held is None or held.session is None:
+                return True
+            info = self.sessions.get(held.key)
+            return info is None or info.owner == owner
+
+        return mine
+
+    def file_there(self, backend: int, file: str) -> bool | None:
+        """Whether a session's file is in that server's slot-save folder (None: not visible from here)."""
+        folder = self.folders[backend].of(file) if backend < len(self.folders) else None
+        return None if folder is None else folder.has(file)
+
+    def seed_lookup(self, prompt: Prompt, want: Content, info: SessionInfo,
+                    files: Callable[[], Candidate | None]) -> Callable[[], Candidate | None]:
+        """The best saved cache to start a session from: a prefix-mode file (`files`: `SlotFiller.lookup`), or the
+        file of a session of the same client key, route and model that shares more of the prompt (`session_seed`)."""
+        def find() -> Candidate | None:
+            best = files()
+            other = self.session_seed(prompt, want, info)
+            if other is not None and (best is None or other.shared > best.shared):
+                return other
+            return best
+
+        return find
+
+    def session_seed(self, prompt: Prompt, want: Content, info: SessionInfo) -> Candidate | None:
+        """A session's file to seed `want` from (`seed_lookup`), as a candidate whose entry names that file: the one
+        of its client key, route and model that shares most of the prompt (its own, when the prompt left it for
+        another branch; a parent before others on a tie; the newest then)."""
+        if not prompt.exact or want.fingerprint is None:
+            return None
+        tag = want.key.rpartition("_")[0]
+        parents = {name: len(info.parents) - i for i, name in enumerate(info.parents)}
+        ranked: list[tuple[int, int, float, SessionInfo]] = []
+        for other in self.sessions.all(info.owner):
+            if not other.saved_chain or not other.homes or other.file.rpartition("_")[0] != tag:
+                continue
+            shared = common_prefix(other.saved_chain, prompt.exact)
+            if shared > 0:
+                ranked.append((shared, parents.get(other.file, 0), other.saved_at, other))
+        ranked.sort(key=lambda r: r[:3], reverse=True)
+        for shared, _, _, other in ranked[:8]:
+            home = other.latest if other.latest is not None else min(other.homes)
+            if home >= len(self.backends) or self.file_there(home, other.file) is False:
+                continue   # deleted by the session limits since
+            backend = self.backends[home]
+            entry = MetaEntry(other.file, prompt.model, self.words_per_block, (), other.saved_at,
+                              backend=backend.url, slot_save_path=backend.config.slot_save_path,
+                              exact=other.saved_chain, fingerprint=want.fingerprint, n_tokens=other.saved_tokens,
+                              size=other.file_bytes or 0)
+            return Candidate(entry, shared, shared / len(prompt.exact))
+        return None
+
+    def seeded_from(self, choice: Choice, info: SessionInfo) -> str | None:
+        """What a session starting anew starts from (`record.seeded`, counted): a slot that holds its prefix
+        (`resident`), a prefix-mode file (`file`), another session's file (`session`), its parent's (`parent`);
+        None: nothing."""
+        if choice.restore is None:
+            found = "resident" if choice.resident else None
+        elif (other := self.sessions.get(choice.restore.entry.key)) is None:
+            found = "file"
+        else:
+            found = "parent" if other.file in info.parents else "session"
+        self.seeds[found or "none"] += 1
+        return found
