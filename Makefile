@@ -66,6 +66,7 @@ bench: setup redis
 	BIG_THRESHOLD_WORDS=auto $(BIN)/python bench/scenarios.py
 	bash scripts/get-aiperf.sh && BIG_THRESHOLD_WORDS=auto $(BIN)/python bench/aiperf_scenario.py
 	$(BIN)/python bench/sharegpt_scenario.py
+	$(BIN)/python bench/agent_sessions.py
 
 # lpcache's own costs against a zero-latency stand-in (a few minutes), the added latency also with REDIS_URL set.
 bench-micro: $(BIN)/lpcache redis

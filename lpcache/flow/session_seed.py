@@ -9,11 +9,12 @@ of another client key: the book lists only the owner's (`SessionBook.all`). What
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 
 from lpcache.backends.backend import Backend
-from lpcache.backends.placement import Choice
+from lpcache.backends.placement import RESIDENT_MIN_SHARE, Choice
 from lpcache.backends.slots import Content, Slot
 from lpcache.backends.swap import Folders
 from lpcache.cache.meta_files import Candidate, MetaEntry
@@ -25,25 +26,30 @@ SEED_SOURCES = ("resident", "file", "session", "parent", "none")   # what a sess
 
 class SessionSeeds:
     def __init__(self, sessions: SessionBook, backends: Sequence[Backend], folders: Sequence[Folders],
-                 words_per_block: int) -> None:
+                 words_per_block: int, lcp_th: float = 0.0) -> None:
         self.sessions = sessions
         self.backends = backends
         self.folders = folders
         self.words_per_block = words_per_block
+        self.lcp_th = lcp_th
         self.seeds: Counter[str] = Counter()
 
-    def starts_anew(self, want: Content, prompt: Prompt) -> SessionInfo | None:
-        """The session's entry when its file is no place to start from: it has none (its first turn, or its file is
-        gone), or the prompt does not continue what its file holds (two conversations sending one session id, a
-        client that rewrote its history): the request is placed as in prefix mode (`seed_lookup`), so a session
-        is never worse off than the same requests without the header. None: the session's own file (or a folder
-        lpcache cannot see, where it may be) is where it starts."""
+    def starts_anew(self, want: Content, prompt: Prompt, slots: Sequence[Slot]) -> SessionInfo | None:
+        """The session's entry when its own cache is no place to start from: no slot holds it (nor is about to), no
+        folder has its file (its first turn, a file gone), or the prompt does not continue what its file holds
+        (two conversations sending one session id, a client that rewrote its history): the request is placed as
+        in prefix mode (`seed_lookup`), so a session is never worse off than the same requests without the header.
+        None: its own cache is where it starts (a slot, its file, or a folder lpcache cannot see, where it may be;
+        after a restart lpcache has not seen its file yet, so every folder is looked in)."""
         info = self.sessions.get(want.key)
         if info is None:
             return None
         if info.saved_chain and common_prefix(info.saved_chain, prompt.exact) < len(info.saved_chain) - 1:
             return info   # its last block may differ: the generation prompt, where the answer now follows
-        for home in info.homes:
+        for slot in slots:
+            if any(c is not None and c.key == want.key for c in (slot.content, slot.pending)):
+                return None
+        for home in info.homes or range(len(self.folders)):
             if self.file_there(home, want.key) is not False:
                 return None
         return info
@@ -86,12 +92,14 @@ class SessionSeeds:
             return None
         tag = want.key.rpartition("_")[0]
         parents = {name: len(info.parents) - i for i, name in enumerate(info.parents)}
+        # as a prefix-mode file: a share of the prompt of at least LCP_TH (a system prompt alone is not a seed)
+        least = max(1, math.ceil(max(self.lcp_th, RESIDENT_MIN_SHARE) * len(prompt.exact)))
         ranked: list[tuple[int, int, float, SessionInfo]] = []
         for other in self.sessions.all(info.owner):
             if not other.saved_chain or not other.homes or other.file.rpartition("_")[0] != tag:
                 continue
             shared = common_prefix(other.saved_chain, prompt.exact)
-            if shared > 0:
+            if shared >= least:
                 ranked.append((shared, parents.get(other.file, 0), other.saved_at, other))
         ranked.sort(key=lambda r: r[:3], reverse=True)
         for shared, _, _, other in ranked[:8]:

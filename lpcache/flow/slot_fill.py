@@ -70,7 +70,7 @@ class SlotFiller:
         self.routers = routers
         self.saver = saver
         self.server_caches = saver.server_caches
-        self.seeds = SessionSeeds(sessions, self.backends, saver.folders, settings.words_per_block)
+        self.seeds = SessionSeeds(sessions, self.backends, saver.folders, settings.words_per_block, settings.lcp_th)
         index.held = self.held_keys
         saver.save_later = self.save_later
 
@@ -193,7 +193,7 @@ class SlotFiller:
                         want: Content | None = None, answer_tokens: int | None = None) -> Choice:
         session = want.key if want is not None else None
         homes = self.session_homes(want)
-        fresh = self.seeds.starts_anew(want, prompt) if want is not None else None
+        fresh = self.seeds.starts_anew(want, prompt, self.pool.slots) if want is not None else None
         if fresh is not None and want is not None:
             # a new session starts where its prompt is cached, as in prefix mode: a slot that holds its prefix, a
             # prefix-mode file, another session's file of its client key (its parent's first)
