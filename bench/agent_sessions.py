@@ -284,7 +284,11 @@ def markdown(report: dict[str, Any]) -> str:
                       [[r["label"], r["b_wait_p50_ms"], f"{r['b_requests']} / {r['a_requests']}",
                         ", ".join(f"{k}: {v}" for k, v in sorted(r["status_counts"].items())),
                         ", ".join(r["retry_after"]) or "-"] for r in (alone, burst, bounded)]), "",
-                f"Key b's median wait beside the burst: {ratio:.2f}x its wait alone (target 2x)." if ratio else "",
+                f"Key b's median wait beside the burst: {ratio:.2f}x its wait alone (target 2x). Each key keeps one "
+                "of the two slots while both wait (a free slot goes to the key holding fewer), so key b's 4 agents "
+                "share one slot where alone they shared two: in a closed loop of 4 agents that is about 3 answers "
+                "waited for instead of 1, whatever the order within the key. Without fair shares (arrival order) "
+                "key b's requests queue behind the whole burst of 12." if ratio else "",
                 f"The high-priority request waited {burst['urgent'].get('queue_ms')} ms for its slot; the longest a "
                 f"request held a slot in that run: {burst['urgent'].get('longest_hold_ms')} ms (target: at most one "
                 "running generation)." if burst.get("urgent") else "",
