@@ -305,9 +305,9 @@ def beside_wait(slot: Slot, mine: float, blocks: int, speeds: Speeds) -> float:
     if benefit is None or per_token is None:
         # no speed learnt yet (the first requests after a start: agents sent together, all with one harness): a
         # JSON answer's progress is not seen, so waiting pays only when its answer, capped by its max_tokens, is
-        # surely shorter to generate than the shared part is to prefill (a decoded token costs at most
-        # DECODE_PER_PREFILL prefilled ones, on CPUs and GPUs alike); until it is released, SLOT_AFFINITY_WAIT at
-        # most
+        # surely shorter to generate than the shared part is to prefill (a decoded token taken to cost
+        # DECODE_PER_PREFILL prefilled ones: about so on CPUs, more on GPUs, where the wait is bounded all the same);
+        # until it is released, SLOT_AFFINITY_WAIT at most
         capped = slot.answer_tokens is not None and slot.answer_tokens * DECODE_PER_PREFILL < shared
         return math.inf if capped else 0.0
     generate = speeds.generate.seconds(min(slot.answer_tokens or 64, 64))   # its max_tokens, or a short answer

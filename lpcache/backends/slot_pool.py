@@ -191,6 +191,7 @@ class SlotPool:
     def _unclaimed(self, slot: Slot) -> None:
         """A slot handed out here but not ours across replicas: idle again here, as it was."""
         slot.busy = False
+        slot.client, slot.taken_at = None, 0.0
         self._filling_over(slot)
         self.wake()
 
@@ -206,7 +207,7 @@ class SlotPool:
         if want.ticket.seq == 0:   # its place in line (kept when it queues again: `Refused`)
             want.ticket = replace(want.ticket, seq=self._seq)
             narrow.ticket = want.ticket
-        if not idle:
+        if not self.idle(want.allowed):   # a request planning on a busy slot while another is idle is not refused
             self.admit(want, timeout)
         waiter = _Waiter(narrow)
         self._waiters.append(waiter)
@@ -342,17 +343,22 @@ class SlotPool:
     def wake(self) -> None:
         """Hand idle slots to the waiters, in the line's order (`admission`: class, fair shares, arrival); a waiter
         none of whose allowed slots is idle keeps its place without holding up the ones behind it."""
-        for waiter in self._in_line():
-            if waiter.future.done():
+        handed = True
+        while handed:   # the line's order again after each hand-out: the slots each client holds changed
+            handed = False
+            for waiter in self._in_line():
+                if waiter.future.done():
+                    self._waiters.remove(waiter)
+                    continue
+                idle = self.idle(waiter.want.allowed)
+                if not idle:
+                    if not self.idle():
+                        return
+                    continue
                 self._waiters.remove(waiter)
-                continue
-            idle = self.idle(waiter.want.allowed)
-            if not idle:
-                if not self.idle():
-                    break
-                continue
-            self._waiters.remove(waiter)
-            waiter.future.set_result(self._take(waiter.want.choose(idle, self.load()), waiter.want))
+                waiter.future.set_result(self._take(waiter.want.choose(idle, self.load()), waiter.want))
+                handed = True
+                break
 
     def handed_over(self, slot: Slot) -> None:
         """The slot's new holder saved what it held before (or found it not worth keeping): the slot is that

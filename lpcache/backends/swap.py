@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -38,6 +39,7 @@ class Folders:
     def __init__(self, path: str | None, limits_for: Callable[[str], Limits] = lambda tag: Limits()) -> None:
         self.path = path
         self.limits_for = limits_for
+        self.protected: Counter[str] = Counter()   # session files a request chose to restore (a seed): kept
 
     def of(self, name: str) -> CacheFolder | None:
         """The route folder of a session file (`<tag>_<32 hex>.bin`); None for any other name."""
@@ -155,7 +157,8 @@ async def save(client: LlamaClient, slot: int, content: Content, folders: Folder
     deleted: tuple[str, ...] = ()
     folder = folders.of(content.key) if folders is not None and result.ok else None
     if folder is not None and folder.limits:
-        deleted = tuple(await asyncio.to_thread(folder.enforce, {content.key, *keep}))
+        protected = folders.protected if folders is not None else ()
+        deleted = tuple(await asyncio.to_thread(folder.enforce, {content.key, *keep, *protected}))
     return result, deleted
 
 

@@ -21,11 +21,12 @@ false reads `X-Session-ID` (and `X-Parent-Session-ID`) only.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 SOURCES = ("x-session-id", "x-claude-code-session-id", "session-id", "metadata.user_id")
 
@@ -77,9 +78,9 @@ def from_metadata(body: Mapping[str, Any]) -> Named | None:
         return None
     session: Any = None
     if user_id.startswith("{"):
-        try:
-            session = json.loads(user_id).get("session_id")
-        except (ValueError, AttributeError):
+        try:   # orjson: a nesting too deep is a decode error, not a RecursionError
+            session = orjson.loads(user_id).get("session_id")
+        except (orjson.JSONDecodeError, AttributeError):
             return None
     else:
         found = _LEGACY_USER_ID.search(user_id)

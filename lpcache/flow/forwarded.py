@@ -65,7 +65,7 @@ async def generate(crew: Crew, settings: Settings, path: str, path_qs: str, head
 
         if not any(allowed(s) for s in crew.pool.slots):
             break
-        choice = await crew.pool.acquire(Want(allowed=allowed))
+        choice = await crew.pool.acquire(Want(allowed=allowed, ticket=record.ticket), record.max_wait)
         slot, backend = choice.slot, crew.backends[choice.slot.backend]
         crew.saver.cancel_idle_save(slot)
         record.backend, record.slot = backend.url, slot.id

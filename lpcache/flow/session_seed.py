@@ -17,17 +17,20 @@ from lpcache.backends.backend import Backend
 from lpcache.backends.placement import RESIDENT_MIN_SHARE, Choice
 from lpcache.backends.slots import Content, Slot
 from lpcache.backends.swap import Folders
+from lpcache.cache.index import MetaIndex
 from lpcache.cache.meta_files import Candidate, MetaEntry
 from lpcache.cache.prefix import Prompt, common_prefix
 from lpcache.cache.sessions import SessionBook, SessionInfo
+from lpcache.flow.record import RequestRecord
 
 SEED_SOURCES = ("resident", "file", "session", "parent", "none")   # what a session starting anew started from
 
 
 class SessionSeeds:
     def __init__(self, sessions: SessionBook, backends: Sequence[Backend], folders: Sequence[Folders],
-                 words_per_block: int, lcp_th: float = 0.0) -> None:
+                 index: MetaIndex | None = None, words_per_block: int = 0, lcp_th: float = 0.0) -> None:
         self.sessions = sessions
+        self.index = index
         self.backends = backends
         self.folders = folders
         self.words_per_block = words_per_block
@@ -62,9 +65,31 @@ class SessionSeeds:
             if held is None or held.session is None:
                 return True
             info = self.sessions.get(held.key)
-            return info is None or info.owner == owner
+            return info is not None and info.owner == owner   # a session the book forgot may be anyone's
 
         return mine
+
+    def protect(self, file: str) -> None:
+        """A seed was chosen to restore: a prefix-mode file (the index's limits keep it) or a session's (the
+        session limits keep it), until `unprotect`."""
+        if self.index is not None:
+            self.index.protect(file)
+        for folders in self.folders:
+            folders.protected[file] += 1
+
+    def unprotect(self, file: str) -> None:
+        if self.index is not None:
+            self.index.unprotect(file)
+        for folders in self.folders:
+            folders.protected[file] -= 1
+            if folders.protected[file] <= 0:
+                del folders.protected[file]
+
+    def used(self, backend: int, file: str) -> None:
+        """A seed's restore worked: its file is the last of its route the limits delete (off the loop)."""
+        folder = self.folders[backend].of(file) if backend < len(self.folders) else None
+        if folder is not None:
+            folder.touch(file)
 
     def file_there(self, backend: int, file: str) -> bool | None:
         """Whether a session's file is in that server's slot-save folder (None: not visible from here)."""
@@ -96,7 +121,8 @@ class SessionSeeds:
         least = max(1, math.ceil(max(self.lcp_th, RESIDENT_MIN_SHARE) * len(prompt.exact)))
         ranked: list[tuple[int, int, float, SessionInfo]] = []
         for other in self.sessions.all(info.owner):
-            if not other.saved_chain or not other.homes or other.file.rpartition("_")[0] != tag:
+            if not other.saved_chain or other.saved_chain[0] != prompt.exact[0] or not other.homes \
+                    or other.file.rpartition("_")[0] != tag:
                 continue
             shared = common_prefix(other.saved_chain, prompt.exact)
             if shared >= least:
@@ -120,9 +146,22 @@ class SessionSeeds:
         None: nothing."""
         if choice.restore is None:
             found = "resident" if choice.resident else None
-        elif (other := self.sessions.get(choice.restore.entry.key)) is None:
-            found = "file"
-        else:
-            found = "parent" if other.file in info.parents else "session"
-        self.seeds[found or "none"] += 1
-        return found
+            self.seeds[found or "none"] += 1   # a restore's seed is counted once it worked (`restored`)
+            return found
+        other = self.sessions.get(choice.restore.entry.key)
+        if other is None:
+            return "file"
+        return "parent" if other.file in info.parents else "session"
+
+    def outcome(self, seeding: bool, record: RequestRecord, ok: bool) -> None:
+        """A session starting anew (`seeding`) restored its seed (`ok`), or found it gone or failed: counted and
+        recorded only as what it really started from."""
+        if seeding and record.seeded is not None:
+            record.seeded = self.restored(record.seeded, ok)
+            if not ok and record.route is not None:
+                record.route = record.route.removesuffix("_seeded")
+
+    def restored(self, seeded: str, ok: bool) -> str | None:
+        """The restore of a seed (`seeded_from`) is over: counted as that seed when it worked, else as none."""
+        self.seeds[seeded if ok else "none"] += 1
+        return seeded if ok else None

@@ -70,7 +70,8 @@ class SlotFiller:
         self.routers = routers
         self.saver = saver
         self.server_caches = saver.server_caches
-        self.seeds = SessionSeeds(sessions, self.backends, saver.folders, settings.words_per_block, settings.lcp_th)
+        self.seeds = SessionSeeds(sessions, self.backends, saver.folders, index, settings.words_per_block,
+                                  settings.lcp_th)
         index.held = self.held_keys
         saver.save_later = self.save_later
 
@@ -195,12 +196,10 @@ class SlotFiller:
         homes = self.session_homes(want)
         fresh = self.seeds.starts_anew(want, prompt, self.pool.slots) if want is not None else None
         if fresh is not None and want is not None:
-            # a new session starts where its prompt is cached, as in prefix mode: a slot that holds its prefix, a
-            # prefix-mode file, another session's file of its client key (its parent's first)
+            # placed as in prefix mode (`session_seed`), never steered to a RAM another client key's prompt may fill
             seeds = self.seeds.seed_lookup(prompt, want, fresh, self.lookup(prompt))
-            # (not steered to a server's RAM: what it holds there may be another client key's)
-            asked = Want(prompt, seeds, allowed, session, frozenset(), self.pays(prompt), self.index.protect,
-                         self.index.unprotect, None, self.index.__contains__, seed=True,
+            asked = Want(prompt, seeds, allowed, session, frozenset(), self.pays(prompt), self.seeds.protect,
+                         self.seeds.unprotect, None, self.index.__contains__, seed=True,
                          mine=self.seeds.owned_by(fresh.owner))
         else:
             asked = Want(prompt, self.lookup(prompt) if want is None else (lambda: None), allowed, session, homes,
@@ -220,7 +219,6 @@ class SlotFiller:
             choice, planned = await self.pool.take(asked, plan, asked.max_wait, replan=plan_again)
         except (SlotsBusy, QueueFull) as e:
             record.reason = "slot_timeout" if e.code == "all_slots_busy" else str(e.code)
-            record.queue_ms = (time.perf_counter() - started) * 1000.0
             raise
         record.queue_ms = (time.perf_counter() - started) * 1000.0
         self.pool.waited(asked, record.queue_ms / 1000.0)
@@ -363,9 +361,9 @@ class SlotFiller:
                          if b.index in newest or b.config.slot_save_path in paths)
 
     def release_choice(self, choice: Choice) -> None:
-        """The request gave up its slot before the restore ran: its candidate is no longer protected."""
+        """The restore ran, or the request gave up its slot before it: its candidate is no longer protected."""
         if choice.restore is not None:
-            self.index.unprotect(choice.restore.entry.key)
+            (self.seeds.unprotect if choice.seed else self.index.unprotect)(choice.restore.entry.key)
 
     # ---- filling it ----
 
@@ -447,11 +445,13 @@ class SlotFiller:
         seed = self.sessions.get(entry.key)   # another session's file, seeding a new session (`session_seed`)
         present = await asyncio.to_thread(self.index.file_present, entry, slot.slot_save_path)
         if (seed is None and entry.key not in self.index) or present is False:
-            self.index.lost += 1
+            self.index.lost += seed is None
             record.restore_lost = True
+            self.seeds.outcome(choice.seed, record, False)
             log.warning("restore_lost key=%s slot=%s: the chosen cache's file is gone (%s); the slot keeps what it "
                         "holds and the prompt is computed", entry.key[:16], slot.name,
-                        "its entry was removed" if entry.key not in self.index else "not in the folder")
+                        "its entry was removed" if seed is None and entry.key not in self.index
+                        else "not in the folder")
             if seed is None and entry.key in self.index:
                 await self.index.discard_if_stale(entry.key)
             return
@@ -475,12 +475,16 @@ class SlotFiller:
                                    tokens=result.count("n_restored"), fingerprint=entry.fingerprint,
                                    session=seed.session if seed is not None else None)
             record.cache_hit = candidate.exact
+            self.seeds.outcome(choice.seed, record, True)
             if seed is None:
                 self.saver.spawn(self.index.touch(entry.key))  # the file timestamp is rewritten off the path
+            else:   # a session's file used as a seed: the last of its route the session limits delete
+                self.saver.spawn(asyncio.to_thread(self.seeds.used, slot.backend, entry.key))
             return
         log.warning("restore_failed key=%s slot=%s status=%s reason=%r: the server cleared the slot", entry.key[:16],
                     slot.name, result.status, result.error)
         slot.content = None
+        self.seeds.outcome(choice.seed, record, False)
         if seed is None:
             await self.index.discard_if_stale(entry.key)
         if previous is not None and previous.saved:

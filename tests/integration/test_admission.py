@@ -9,6 +9,8 @@ from typing import Any
 
 import httpx
 
+from lpcache.backends.admission import HOLD_TRUSTED
+
 from ..conftest import user, words
 from .conftest import until
 
@@ -47,7 +49,7 @@ def test_a_full_line_refuses_with_429_and_retry_after(start_proxy: Any, start_ba
 def test_a_wait_past_the_deadline_is_refused_at_once(start_proxy: Any, start_backend: Any) -> None:
     backend = start_backend(slots=1, **SLOW)
     proxy = start_proxy(backend)
-    for i in range(8):   # the slot's hold times, learnt
+    for i in range(HOLD_TRUSTED):   # the slot's hold times, learnt
         assert proxy.chat(user(words(i, 20)), max_tokens=10).status_code == 200
     threads = busy_with(proxy, 3)
     started = time.monotonic()

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from lpcache.backends.admission import CLASSES, HOLD_TRUSTED, HoldTimes, Ticket, max_wait, priority
-from lpcache.backends.placement import Choice, Want
+from lpcache.backends.placement import Choice, WaitPlan, Want
 from lpcache.backends.slot_pool import SlotPool
 from lpcache.backends.slots import Slot
 from lpcache.errors import QueueFull, SlotsBusy
@@ -171,3 +171,41 @@ async def test_the_line_reports_waits_by_class() -> None:
     pool.waited(Want(ticket=Ticket("a", LOW)), 0.5)
     assert pool.line()["low"] == {"waiting": 0, "waits": 1, "wait_p50": 0.5, "wait_max": 0.5}
     pool.release(choice.slot)
+
+
+async def test_a_request_planning_on_a_busy_slot_is_not_refused_while_another_is_idle() -> None:
+    pool = SlotPool(slots(2), queue_max=1)
+    for _ in range(HOLD_TRUSTED):
+        pool.hold.add(10.0)
+    busy = await pool.acquire(Want(ticket=Ticket("a")))
+    other = pool.slots[1]
+    # a waiter planning on the busy slot only (its own conversation's), while the other slot is idle
+    planned = asyncio.create_task(pool._acquire(Want(ticket=Ticket("b")), 5.0, WaitPlan(lambda s: s is busy.slot,
+                                                                                         5.0)))
+    await asyncio.sleep(0)
+    assert pool.waiting == 1 and not other.busy
+    # neither the full line (QUEUE_MAX 1) nor the predicted wait refuses a request that can take the idle slot
+    got = await pool.acquire(Want(ticket=Ticket("c")), timeout=0.5)
+    assert got.slot is other
+    pool.release(busy.slot)
+    choice, on_plan = await planned
+    assert choice.slot is busy.slot and on_plan
+    pool.release(choice.slot)
+    pool.release(got.slot)
+    assert not any(s.busy for s in pool.slots)
+
+
+async def test_slots_freed_together_are_shared_between_clients() -> None:
+    pool = SlotPool(slots(2))
+    held = [await pool.acquire(Want(ticket=Ticket("x"))), await pool.acquire(Want(ticket=Ticket("x")))]
+    tasks = [await waiting(pool, Ticket(c)) for c in ("a", "a", "b")]
+    for slot in pool.slots:   # both come free in one wake, as when a backend comes up
+        slot.busy = False
+    pool.wake()
+    await asyncio.sleep(0)
+    await asyncio.wait(tasks[:1] + tasks[2:], timeout=5)
+    assert tasks[0].done() and tasks[2].done() and not tasks[1].done()   # one each, not both to client a
+    for t in (tasks[0], tasks[2]):
+        pool.release(t.result().slot)
+    pool.release((await tasks[1]).slot)
+    del held

@@ -74,6 +74,7 @@ def test_claude_code_metadata_user_id(user_id: str, session: str) -> None:
     {"metadata": {"user_id": "same-user-across-chats"}}, {"metadata": {"user_id": "{not json"}},
     {"metadata": {"user_id": "[1, 2]"}}, {"metadata": {"user_id": json.dumps({"session_id": 7})}},
     {"metadata": {"user_id": json.dumps({"session_id": ""})}}, {"metadata": {"user_id": "x" * 5000 + "_session_a"}},
+    {"metadata": {"user_id": '{"a":' + "[" * 4000}},   # nested past any parser's depth: no RecursionError
 ])
 def test_metadata_without_a_session(body: dict) -> None:
     assert from_metadata(body) is None

@@ -1,0 +1,36 @@
+"""What a session starting anew may start on: slots holding its own client key's sessions, or no session at all;
+a seed's outcome counted only once its restore is over."""
+
+from __future__ import annotations
+
+from lpcache.backends.slots import Content, Slot
+from lpcache.backends.swap import Folders
+from lpcache.cache.sessions import SessionBook
+from lpcache.flow.session_seed import SessionSeeds
+
+
+def test_only_slots_of_the_same_client_key_or_without_a_session() -> None:
+    book = SessionBook()
+    book.seen("mine.bin", "1" * 32, "m", [], 0.0, owner="key-a")
+    book.seen("theirs.bin", "2" * 32, "m", [], 0.0, owner="key-b")
+    seeds = SessionSeeds(book, [], [Folders(None)])
+    mine = seeds.owned_by("key-a")
+
+    def holding(key: str, session: str | None) -> Slot:
+        return Slot(backend=0, id=0, content=Content(key, (1, 2, 3), session=session))
+
+    assert mine(Slot(backend=0, id=0))                                   # empty
+    assert mine(holding("prefix-key", None))                            # a prefix-mode cache
+    assert mine(holding("mine.bin", "1" * 32))
+    assert not mine(holding("theirs.bin", "2" * 32))
+    assert not mine(holding("forgotten.bin", "3" * 32))                 # the book forgot it: anyone's
+
+
+def test_a_seed_is_counted_once_its_restore_is_over() -> None:
+    seeds = SessionSeeds(SessionBook(), [], [Folders(None), Folders(None)])
+    seeds.protect("parent.bin")
+    assert all(f.protected["parent.bin"] == 1 for f in seeds.folders)   # the session limits keep it
+    seeds.unprotect("parent.bin")
+    assert all("parent.bin" not in f.protected for f in seeds.folders)
+    assert seeds.restored("parent", True) == "parent" and seeds.restored("session", False) is None
+    assert seeds.seeds == {"parent": 1, "none": 1}
