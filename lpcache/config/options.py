@@ -116,20 +116,24 @@ def _bool(raw: str) -> bool:
     raise ValueError(f"{raw!r} is not true or false")
 
 
+def _entries(raw: str, what: str) -> list[str]:
+    """The entries of a comma-separated list, or of @FILE, one per line (blank lines and # comments skipped)."""
+    raw = raw.strip()
+    if not raw.startswith("@"):
+        return [part.strip() for part in raw.split(",") if part.strip()]
+    try:
+        with open(raw[1:], encoding="utf-8") as f:
+            lines = [line.strip() for line in f]
+    except OSError as e:
+        raise ValueError(f"cannot read the {what} {raw[1:]!r}: {e.strerror}") from None
+    return [line for line in lines if line and not line.startswith("#")]
+
+
 def _priorities(raw: str) -> tuple[tuple[str, str], ...]:
     """`KEY=CLASS` pairs, comma-separated, or @FILE with one pair per line; CLASS is high, normal or low."""
-    raw = raw.strip()
-    if raw.startswith("@"):
-        try:
-            with open(raw[1:], encoding="utf-8") as f:
-                parts = [line.strip() for line in f]
-        except OSError as e:
-            raise ValueError(f"cannot read the file {raw[1:]!r}: {e.strerror}") from None
-    else:
-        parts = [p.strip() for p in raw.split(",")]
     pairs = []
-    for part in parts:
-        if not part or part.startswith("#"):
+    for part in _entries(raw, "file"):
+        if part.startswith("#"):
             continue
         key, sep, level = part.rpartition("=")
         if not sep or not key.strip() or level.strip().lower() not in ("high", "normal", "low"):
@@ -140,17 +144,8 @@ def _priorities(raw: str) -> tuple[tuple[str, str], ...]:
 
 def _keys(raw: str) -> tuple[str, ...]:
     """A comma-separated list of keys, or @FILE with one key per line (blank lines and # comments skipped)."""
-    raw = raw.strip()
-    if raw.startswith("@"):
-        try:
-            with open(raw[1:], encoding="utf-8") as f:
-                lines = [line.strip() for line in f]
-        except OSError as e:
-            raise ValueError(f"cannot read the key file {raw[1:]!r}: {e.strerror}") from None
-        keys = [line for line in lines if line and not line.startswith("#")]
-    else:
-        keys = [k.strip() for k in raw.split(",") if k.strip()]
-    if raw and not keys:
+    keys = _entries(raw, "key file")
+    if raw.strip() and not keys:
         raise ValueError("no key in it")
     return tuple(keys)
 
