@@ -14,10 +14,10 @@ every header, and never more than without one.
 Part `admission`: two client keys (`LPCACHE_API_KEYS`), 2 slots. Key b's 4 agents (a task and 2 tool exchanges each,
 closed loop) alone; then key a's 12 agents sent all at once beside them (a burst), with one request of key b asking
 `X-Lpcache-Priority: high` (CLIENT_PRIORITIES lets b ask for it) sent once the burst waits; then `QUEUE_MAX=6` under
-the same burst with requests asking `X-Lpcache-Max-Wait: 1`. It reports b's median wait for a slot (the request
-log's `lpcache-queue-ms`) alone and beside the burst (target: within 2x), the high-priority request's wait against
-the longest time a request held a slot then (target: at most one running generation), and every status returned
-(refusals with their `Retry-After`; target: no 500).
+the same burst with requests asking `X-Lpcache-Max-Wait: 1`. It reports b's median wait for its answer (sent to
+answered) and for a slot (the request log's `lpcache-queue-ms`), alone and beside the burst (target: within 2x),
+the high-priority request's wait against the longest time a request held a slot then (target: at most one running
+generation), and every status returned (refusals with their `Retry-After`; target: no 500).
 
 Writes a section between the `agent-sessions` markers of docs/benchmarks.md and bench/results/agent_sessions.json.
 Run: python bench/agent_sessions.py [--parts sessions,admission] [--no-docs]
@@ -75,9 +75,10 @@ def headers_of(mode: str, s: Session, parent: int | None) -> dict[str, str]:
 
 def drive(url: str, starts: Sequence[Session], then: dict[int, Sequence[Session]], concurrency: int,
           headers: Callable[[Session], dict[str, str]], statuses: list[tuple[int, str | None]] | None = None,
-          max_tokens: int = MAX_TOKENS) -> list[tuple[int, int]]:
+          max_tokens: int = MAX_TOKENS, latencies: list[float] | None = None) -> list[tuple[int, int]]:
     """Closed loop: each session's turns in order, `concurrency` requests at a time; a session's sub-agents
-    (`then`) start after its first turn. Returns (session, turn) in the order answered."""
+    (`then`) start after its first turn. Returns (session, turn) in the order answered; `latencies` gets each
+    answered request's seconds from sending to its answer."""
     ready: queue.Queue[tuple[Session, int]] = queue.Queue()
     for s in starts:
         ready.put((s, 0))
@@ -95,8 +96,11 @@ def drive(url: str, starts: Sequence[Session], then: dict[int, Sequence[Session]
                     s, turn = ready.get(timeout=0.2)
                 except queue.Empty:
                     continue
+                sent = time.monotonic()
                 r = client.post(url + "/v1/messages", json=s.body(turn, max_tokens=max_tokens), headers=headers(s))
                 with lock:
+                    if latencies is not None and r.status_code == 200:
+                        latencies.append(time.monotonic() - sent)
                     if statuses is not None:
                         statuses.append((r.status_code, r.headers.get("retry-after")))
                     order.append((s.index, turn))
@@ -196,6 +200,7 @@ def admission_run(label: str, settings: dict[str, str], burst: bool, say: Callab
     everyone = sessions(16, steps=2, seed=7, apis=("messages",))
     b_agents, a_agents = everyone[:4], everyone[4:]
     statuses: list[tuple[int, str | None]] = []
+    b_latencies: list[float] = []
     urgent: dict[str, Any] = {}
     try:
         with server(str(work / "slots")) as llama:
@@ -215,7 +220,7 @@ def admission_run(label: str, settings: dict[str, str], burst: bool, say: Callab
                 headers_a = lambda s: {"Authorization": f"Bearer {KEY_A}", "User-Agent": "agent-a",  # noqa: E731
                                        "x-session-id": f"a{s.index}", **extra}
                 threads = [threading.Thread(target=drive, args=(proxy.url, b_agents, {}, len(b_agents), headers_b,
-                                                                statuses))]
+                                                                statuses, MAX_TOKENS, b_latencies))]
                 if burst:
                     threads.append(threading.Thread(target=drive, args=(proxy.url, a_agents, {}, len(a_agents),
                                                                         headers_a, statuses)))
@@ -242,6 +247,7 @@ def admission_run(label: str, settings: dict[str, str], burst: bool, say: Callab
             urgent["longest_hold_ms"] = round(max(holds), 1)
         b = waits_of(log, "agent-b")
         result = {"label": label, "b_wait_p50_ms": round(statistics.median(b), 1) if b else None,
+                  "b_latency_p50_s": round(statistics.median(b_latencies), 2) if b_latencies else None,
                   "b_requests": len(b), "a_requests": len(waits_of(log, "agent-a")), "urgent": urgent,
                   "statuses": sorted({str(s) for s, _ in statuses}),
                   "status_counts": {str(s): sum(1 for x, _ in statuses if x == s) for s, _ in statuses},
@@ -277,18 +283,24 @@ def markdown(report: dict[str, Any]) -> str:
     if a:
         alone, burst, bounded = a["alone"], a["burst"], a["queue_max"]
         ratio = burst["b_wait_p50_ms"] / alone["b_wait_p50_ms"] if alone["b_wait_p50_ms"] else None
+        answer = burst["b_latency_p50_s"] / alone["b_latency_p50_s"] if alone.get("b_latency_p50_s") else None
         out += ["Two client keys on 2 slots: key b's 4 agents (closed loop), alone and beside key a's 12 agents sent "
                 "at once; one request of key b with `X-Lpcache-Priority: high` sent while the burst waits; then "
                 "`QUEUE_MAX=6` under the same burst, key a asking `X-Lpcache-Max-Wait: 1`.", "",
-                table(["run", "key b wait p50 ms", "requests b / a", "statuses", "Retry-After (s)"],
-                      [[r["label"], r["b_wait_p50_ms"], f"{r['b_requests']} / {r['a_requests']}",
+                table(["run", "key b: answer p50 s", "wait for a slot p50 ms", "requests b / a", "statuses",
+                       "Retry-After (s)"],
+                      [[r["label"], r.get("b_latency_p50_s"), r["b_wait_p50_ms"],
+                        f"{r['b_requests']} / {r['a_requests']}",
                         ", ".join(f"{k}: {v}" for k, v in sorted(r["status_counts"].items())),
                         ", ".join(r["retry_after"]) or "-"] for r in (alone, burst, bounded)]), "",
-                f"Key b's median wait beside the burst: {ratio:.2f}x its wait alone (target 2x). Each key keeps one "
-                "of the two slots while both wait (a free slot goes to the key holding fewer), so key b's 4 agents "
-                "share one slot where alone they shared two: in a closed loop of 4 agents that is about 3 answers "
-                "waited for instead of 1, whatever the order within the key. Without fair shares (arrival order) "
-                "key b's requests queue behind the whole burst of 12." if ratio else "",
+                f"Key b's median wait for its answer beside the burst: {answer:.2f}x its wait alone (target 2x); "
+                f"its time in line for a slot: {ratio:.2f}x its time in line alone. Each key keeps one of the two "
+                "slots while both wait (a free slot goes to the key holding fewer, and a key's next step finds the "
+                "slot its last answer freed), "
+                "so key b's 4 agents share one slot where alone they shared two: about twice the time to an "
+                "answer, and in a closed loop of 4 agents about 3 answers waited for in line instead of 1. Without "
+                "fair shares (arrival order) key b's requests queue behind the whole burst of 12."
+                if ratio and answer else "",
                 f"The high-priority request waited {burst['urgent'].get('queue_ms')} ms for its slot; the longest a "
                 f"request held a slot in that run: {burst['urgent'].get('longest_hold_ms')} ms (target: at most one "
                 "running generation)." if burst.get("urgent") else "",

@@ -12,6 +12,11 @@ would not be served only when SLOT_WAIT_TIMEOUT ran out. Now, when requests outn
   `guard.client_identity` digest) holds the fewest slots right now goes first, then arrival order. One client's
   burst takes its turn with the others' requests instead of holding every slot; a single client is served in
   arrival order, as before.
+- **A share kept for a client that comes back** (`Reserved`): when a client's last slot comes free, one slot of
+  that backend stays out of another client's reach for one mean hold time (HoldTimes, at most RESERVE_MAX), unless
+  that other client holds no slot itself. An agent's next step, sent the moment its answer ends, finds its slot
+  instead of waiting behind another client's whole burst; a client that does not come back costs the others at
+  most that one hold time of one slot.
 - **Refusals**, before any wait: 429 when QUEUE_MAX requests wait already; 503 when the wait the line predicts (the
   requests ahead, at the slots' recent hold times: `HoldTimes`) passes the request's deadline (SLOT_WAIT_TIMEOUT, or
   less with `X-Lpcache-Max-Wait: SECONDS`). Both carry `Retry-After`. A wait that runs out all the same is a 503
@@ -32,6 +37,7 @@ PRIORITY_HEADER = "x-lpcache-priority"
 MAX_WAIT_HEADER = "x-lpcache-max-wait"
 HOLD_ALPHA = 0.2     # weight of the newest hold time in the running mean
 HOLD_TRUSTED = 8     # hold times seen before a wait is predicted (and a request refused for it)
+RESERVE_MAX = 30.0   # seconds a freed share is kept for its client at most
 
 
 def priority(asked: str | None, allowed: int = NORMAL, keys_held: bool = False) -> int:
@@ -83,3 +89,27 @@ class HoldTimes:
         if self.mean is None or self.seen < HOLD_TRUSTED or slots <= 0:
             return None
         return self.mean * (ahead + 1) / slots
+
+
+@dataclass(frozen=True)
+class Reserved:
+    """A share kept for a client whose last slot came free (`until`, monotonic seconds), on the backend it used, for
+    requests of its class or a lower one (a higher class is not held back for it)."""
+
+    until: float
+    backend: int
+    priority: int
+
+
+def held_back(ticket: Ticket, idle_backends: list[int], holding: Mapping[str | None, int], waiting: set[str | None],
+              kept: Mapping[str | None, Reserved], now: float) -> float | None:
+    """When `ticket`'s client may take one of the idle slots (on `idle_backends`, one entry per slot): None at once,
+    else the moment the first share kept for another client runs out. A client that holds no slot is never held
+    back (it takes its own share); nor for a client that holds one, waits in line (the line's order serves it), or
+    asked for a lower class."""
+    if not holding.get(ticket.client, 0):
+        return None
+    ends = [r.until for c, r in kept.items()
+            if c != ticket.client and r.until > now and not holding.get(c, 0) and c not in waiting
+            and r.priority <= ticket.priority and r.backend in idle_backends]
+    return min(ends) if len(ends) >= len(idle_backends) else None

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from lpcache.backends.admission import CLASSES, HoldTimes
+from lpcache.backends.admission import CLASSES, RESERVE_MAX, HoldTimes, Reserved, held_back
 from lpcache.backends.placement import Choice, WaitPlan, Want
 from lpcache.backends.slots import Content, Slot
 from lpcache.errors import QueueFull, SlotsBusy
@@ -55,6 +55,8 @@ class SlotPool:
         self.waits: dict[str, deque[float]] = {c: deque(maxlen=256) for c in CLASSES}   # the last waits, by class
         self._seq = 0
         self._waiters: deque[_Waiter] = deque()
+        self.kept: dict[str | None, Reserved] = {}   # shares kept for clients whose last slot came free
+        self._reopen: asyncio.TimerHandle | None = None   # wakes the line when the first kept share runs out
         self.claims: Claims | None = None   # set with REDIS_URL
         # When a list (tests): (slot name, wall-clock time, "take" or "give") as this replica starts and stops
         # using a slot; with `claims`, "take" once the slot is claimed.
@@ -105,6 +107,27 @@ class SlotPool:
         """The waiters in the order a free slot goes to them: class, the slots their client holds, arrival."""
         holding = self.holding()
         return sorted(self._waiters, key=lambda w: w.want.ticket.rank(holding))
+
+    def _clients_now(self) -> tuple[Counter[str | None], set[str | None]]:
+        """The slots each client holds, and the clients with a request in line."""
+        return self.holding(), {w.want.ticket.client for w in self._waiters if not w.future.done()}
+
+    def _held_back(self, want: Want, idle: list[Slot], line: tuple[Counter[str | None], set[str | None]] | None = None
+                   ) -> float | None:
+        """None when `want` may take one of the `idle` slots now, else when a share kept for another client
+        (`admission.Reserved`) runs out. `line`: the slots each client holds and the clients in line, when known."""
+        if not self.kept:
+            return None
+        holding, waiting = line or self._clients_now()
+        return held_back(want.ticket, [s.backend for s in idle], holding, waiting, self.kept, time.monotonic())
+
+    def _keep_share(self, slot: Slot) -> None:
+        """`slot`'s client gave it back: if that was its last one, keep a share for it for one mean hold time."""
+        now = time.monotonic()
+        self.kept = {c: r for c, r in self.kept.items() if r.until > now}
+        if self.hold.mean is None or any(s.client == slot.client for s in self.slots if s is not slot and s.busy):
+            return
+        self.kept[slot.client] = Reserved(now + min(self.hold.mean, RESERVE_MAX), slot.backend, slot.priority)
 
     def admit(self, want: Want, timeout: float) -> None:
         """Refuse, before it waits, a request the line cannot serve in time (`admission`): QUEUE_MAX waiters
@@ -201,7 +224,7 @@ class SlotPool:
         waiter widens where it stands in the line. Returns the choice and whether it came while the plan held."""
         narrow = want.only(plan.wanted) if plan is not None else want
         idle = self.idle(narrow.allowed)
-        if idle and not self._waiters:
+        if idle and not self._waiters and self._held_back(narrow, idle) is None:
             return self._take(narrow.choose(idle, self.load()), want), plan is not None
         self._seq += 1
         if want.ticket.seq == 0:   # its place in line (kept when it queues again: `Refused`)
@@ -290,6 +313,7 @@ class SlotPool:
         slot.answer_tokens = None
         if slot.taken_at:
             self.hold.add(time.monotonic() - slot.taken_at)
+            self._keep_share(slot)
         slot.client, slot.taken_at = None, 0.0
         if used:
             slot.last_used = time.monotonic()
@@ -336,16 +360,19 @@ class SlotPool:
         choice.slot.busy = True
         choice.slot.used = True
         choice.slot.client, choice.slot.taken_at = want.ticket.client, time.monotonic()
+        choice.slot.priority = want.ticket.priority
         self._filling_over(choice.slot)
         choice.slot.filling = asyncio.Event()
         return choice
 
     def wake(self) -> None:
         """Hand idle slots to the waiters, in the line's order (`admission`: class, fair shares, arrival); a waiter
-        none of whose allowed slots is idle keeps its place without holding up the ones behind it."""
-        handed = True
+        none of whose allowed slots is idle, or that must leave them to a share kept for another client, keeps its
+        place without holding up the ones behind it."""
+        handed, reopen = True, None
         while handed:   # the line's order again after each hand-out: the slots each client holds changed
             handed = False
+            line, held_class = self._clients_now(), len(CLASSES)
             for waiter in self._in_line():
                 if waiter.future.done():
                     self._waiters.remove(waiter)
@@ -355,10 +382,29 @@ class SlotPool:
                     if not self.idle():
                         return
                     continue
+                if waiter.want.ticket.priority > held_class:   # never ahead of a higher class held back
+                    continue
+                until = self._held_back(waiter.want, idle, line)
+                if until is not None:
+                    reopen = until if reopen is None else min(reopen, until)
+                    held_class = min(held_class, waiter.want.ticket.priority)
+                    continue
                 self._waiters.remove(waiter)
                 waiter.future.set_result(self._take(waiter.want.choose(idle, self.load()), waiter.want))
                 handed = True
                 break
+        if reopen is not None:
+            self._wake_at(reopen)
+
+    def _wake_at(self, when: float) -> None:
+        """Run `wake` again at `when` (monotonic seconds): a kept share runs out with nobody releasing a slot."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:   # no loop: nobody can be waiting
+            return
+        if self._reopen is not None:
+            self._reopen.cancel()
+        self._reopen = loop.call_later(max(when - time.monotonic(), 0.0) + 0.001, self.wake)
 
     def handed_over(self, slot: Slot) -> None:
         """The slot's new holder saved what it held before (or found it not worth keeping): the slot is that

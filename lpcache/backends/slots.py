@@ -55,6 +55,7 @@ class Slot:
     computing: int = 0               # while busy: identity blocks of its prompt the server computes (not cached)
     answer_tokens: int | None = None  # while busy: the most tokens its answer may have (max_tokens), when said
     client: str | None = None        # while busy: whose request holds it (`admission`: fair shares)
+    priority: int = 1                # while busy: the class of that request (`admission.CLASSES` index)
     taken_at: float = 0.0            # while busy with a request: since when (monotonic; its hold time)
     replans: list[Callable[[], None]] = field(default_factory=list)   # the waits planned on it, to decide again
     on_handover: list[Callable[[], None]] = field(default_factory=list)   # every wait planned on it, ended when

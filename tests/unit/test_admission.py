@@ -135,18 +135,18 @@ async def test_a_wait_predicted_past_the_deadline_is_refused_at_once() -> None:
     pool = SlotPool(slots(2), wait_timeout=300.0)
     for _ in range(HOLD_TRUSTED):     # the slots' recent hold times: 10 s each
         pool.hold.add(10.0)
-    held = [await pool.acquire(Want()), await pool.acquire(Want())]
+    held = [await pool.acquire(Want(ticket=Ticket("a"))), await pool.acquire(Want(ticket=Ticket("a")))]
     line = [await waiting(pool, Ticket("a")) for _ in range(4)]
     loop = asyncio.get_running_loop()
     started = loop.time()
     with pytest.raises(SlotsBusy) as e:
-        await pool.acquire(Want(ticket=Ticket("b")), timeout=20.0)   # 4 ahead on 2 slots: about 25 s
+        await pool.acquire(Want(ticket=Ticket("a")), timeout=20.0)   # 4 ahead on 2 slots: about 25 s
     assert loop.time() - started < 1.0                                # told at once, not after 20 s
     assert e.value.status == 503 and e.value.code == "wait_past_deadline"
     assert e.value.retry_after == pytest.approx(25.0)
     assert pool.refused["past_deadline"] == 1
     # a high-priority request goes before the four: its wait fits
-    urgent = await waiting(pool, Ticket("b", HIGH), timeout=20.0)
+    urgent = await waiting(pool, Ticket("a", HIGH), timeout=20.0)
     assert await served_order(pool, [*line, urgent], held) == [4, 0, 1, 2, 3]
     assert not any(s.busy for s in pool.slots) and pool.waiting == 0
 
@@ -209,3 +209,54 @@ async def test_slots_freed_together_are_shared_between_clients() -> None:
         pool.release(t.result().slot)
     pool.release((await tasks[1]).slot)
     del held
+
+
+async def test_a_client_finds_its_share_kept_when_it_comes_back() -> None:
+    pool = SlotPool(slots(2))
+    pool.hold.add(10.0)   # a request keeps its slot 10 s: a share is kept that long
+    b = await pool.acquire(Want(ticket=Ticket("b")))
+    burst = [await pool.acquire(Want(ticket=Ticket("a")))] + [await waiting(pool, Ticket("a")) for _ in range(3)]
+    pool.release(b.slot)
+    await asyncio.sleep(0)
+    assert not any(t.done() for t in burst[1:])   # the burst holds one slot already: b's stays free
+    again = await pool.acquire(Want(ticket=Ticket("b")), timeout=1.0)   # b's next step, at once
+    assert again.slot is b.slot and pool.waiting == 3
+    pool.release(again.slot)
+    pool.release(burst[0].slot)   # the burst holds none now: it takes a slot whatever is kept
+    await asyncio.wait(burst[1:], timeout=5, return_when=asyncio.FIRST_COMPLETED)
+    assert sum(t.done() for t in burst[1:]) == 1
+
+
+async def test_a_kept_share_runs_out_with_nobody_releasing() -> None:
+    pool = SlotPool(slots(2))
+    pool.hold.add(0.05)
+    b = await pool.acquire(Want(ticket=Ticket("b")))
+    held = await pool.acquire(Want(ticket=Ticket("a")))
+    later = await waiting(pool, Ticket("a"))
+    pool.release(b.slot)
+    await asyncio.sleep(0)
+    assert not later.done()
+    got = await asyncio.wait_for(later, timeout=5)   # b did not come back within one hold time
+    assert got.slot is b.slot and "b" in pool.kept
+    for choice in (got, held):
+        pool.release(choice.slot)
+
+
+async def test_a_kept_share_holds_back_no_higher_class_and_no_lower_class_before_it() -> None:
+    pool = SlotPool(slots(2))
+    pool.hold.add(10.0)
+    b = await pool.acquire(Want(ticket=Ticket("b", NORMAL)))
+    held = await pool.acquire(Want(ticket=Ticket("a")))
+    low = await waiting(pool, Ticket("c", LOW))     # holds nothing, but a normal request is held back
+    normal = await waiting(pool, Ticket("a", NORMAL))
+    pool.release(b.slot)
+    await asyncio.sleep(0)
+    assert not low.done() and not normal.done()
+    urgent = await pool.acquire(Want(ticket=Ticket("a", HIGH)), timeout=1.0)   # a higher class than b's
+    assert urgent.slot is b.slot
+    for choice in (urgent, held):
+        pool.release(choice.slot)
+    done, _ = await asyncio.wait([low, normal], timeout=5, return_when=asyncio.ALL_COMPLETED)
+    assert len(done) == 2
+    for t in (low, normal):
+        pool.release(t.result().slot)
