@@ -247,6 +247,7 @@ class Want:
     seed: bool = False   # a new session's first turn: its slot is chosen as in prefix mode (`SlotFiller.take_slot`)
     ticket: Ticket = field(default_factory=Ticket)   # its client and class in the line (`admission`)
     max_wait: float | None = None                    # the longest it may wait (None: SLOT_WAIT_TIMEOUT)
+    file_of: Callable[[Slot], str] | None = None     # the name its prefix cache is saved under from a slot
 
     def choose(self, idle: Sequence[Slot], load: Mapping[int, int] | None = None) -> Choice:
         choice = choose(idle, self.prompt, self.lookup(), None if self.seed else self.session, self.homes, self.pays,
@@ -259,11 +260,14 @@ class Want:
         if choice.restore is not None and self.unprotect is not None:
             self.unprotect(choice.restore.entry.key)
 
-    def pending(self) -> Content | None:
-        """What the request will leave in its slot (told to the other replicas when it claims the slot)."""
+    def pending(self, slot: Slot | None = None) -> Content | None:
+        """What the request will leave in `slot` (told to the other replicas when it claims the slot), under the
+        name its file will have: a session's, or the prefix cache's for that slot's model (`file_of`)."""
         if self.prompt is None:
             return None
-        return Content(self.session or self.prompt.key, self.prompt.exact, session=self.session)
+        key = self.session or (self.file_of(slot) if self.file_of is not None and slot is not None
+                               else self.prompt.key)
+        return Content(key, self.prompt.exact, session=self.session)
 
     def only(self, wanted: Callable[[Slot], bool]) -> Want:
         allowed = self.allowed

@@ -199,7 +199,7 @@ class Fleet(Publishing):
         started = time.perf_counter()
         sent = time.monotonic()
         holder = Holder(self.replica, f"{next(self._requests):x}")
-        pending = pending_doc(want, restore)
+        pending = pending_doc(want, restore, slot)
         call = asyncio.ensure_future(self._claim_call(slot, holder, pending))
         try:
             answer = await asyncio.shield(call)
@@ -293,7 +293,7 @@ class Fleet(Publishing):
         self._held[slot] = held
         slot.elsewhere = None
         self.stats.handovers += 1
-        doc = orjson.dumps(pending_doc(want, restore))
+        doc = orjson.dumps(pending_doc(want, restore, slot))
         if doc != held.pending:
             held.pending = doc
             self.spawn(self._write_state(slot.name, held, b'{"token":%d,"replica":"%s","busy":true,"pending":%s}' % (
@@ -335,10 +335,15 @@ class Fleet(Publishing):
         lease = held.lease
         lease.released = True
         try:
-            if await self._write_state(name, held, payload, release=True):
+            why = await self._write_state(name, held, payload, release=True)
+            if why is None:
                 self._fences[name] = max(self._fences.get(name, 0), lease.token)
+            elif why == "lease_no_longer_held":
+                log.warning("slot_release_failed slot=%s reason=%s: what this replica left there is not told to the "
+                            "others; they learn it from the next holder or GET /slots", name, why)
             else:
-                log.warning("slot_release_failed slot=%s; its lease lapses within %d ms", name, self.ttl_ms)
+                log.warning("slot_release_failed slot=%s reason=%s; its lease lapses within %d ms", name, why,
+                            self.ttl_ms)
         finally:
             done.set()
             if self._releasing.get(name) is done:
@@ -374,7 +379,7 @@ class Fleet(Publishing):
                 return   # another replica holds it now: its release will say what it holds
             held = _Held(Lease(slot.name, holder, token, self.ttl_ms, sent), asyncio.Event())
             payload = orjson.dumps({"token": token, "replica": self.replica, "content": None})
-            if await self._write_state(slot.name, held, payload, release=True):
+            if await self._write_state(slot.name, held, payload, release=True) is None:
                 self._fences[slot.name] = max(self._fences.get(slot.name, 0), token)
         finally:
             done.set()
@@ -402,21 +407,23 @@ class Fleet(Publishing):
                                 "pending": content_doc(slot.pending)})   # its answer is over
         self.spawn(self._write_state(slot.name, held, payload))
 
-    async def _write_state(self, name: str, held: _Held, payload: bytes, release: bool = False) -> bool:
+    async def _write_state(self, name: str, held: _Held, payload: bytes, release: bool = False) -> str | None:
         """The slot's state written the map's way while the lease is still `held`'s (and the lease deleted with
-        `release`): one script; False when Redis did not answer."""
+        `release`): one script. None when written, else why not: Redis did not answer, or the lease is no longer
+        this replica's (it lapsed while Redis was out of reach, or Redis lost it), so nothing was written."""
         counter, stream, table = self.map.keys_of("slots")
         try:
             async with self._bounded():
-                await self._release(keys=[PREFIX + name, counter, stream, table],
-                                    args=[held.lease.value, self.replica, self.map.maxlen, name, payload,
-                                          "1" if release else "0"])
-            return True
-        except (RedisError, OSError):
+                written = await self._release(keys=[PREFIX + name, counter, stream, table],
+                                              args=[held.lease.value, self.replica, self.map.maxlen, name, payload,
+                                                    "1" if release else "0"])
+        except (RedisError, OSError) as e:
             self.stats.redis_errors += 1
-            return False
+            return f"redis_error ({e!r})"
         finally:
             self.stats.redis_calls += 1
+        return None if written else "lease_no_longer_held"
+
 
     def valid(self, slot: Slot) -> bool:
         """Whether this replica may still act on the slot (restore, save): its lease is live, or it took the slot

@@ -9,7 +9,7 @@ from typing import Any
 import orjson
 
 from lpcache.backends.placement import Want
-from lpcache.backends.slots import Content
+from lpcache.backends.slots import Content, Slot
 from lpcache.fleet.leases import GRANT
 
 # Claim: the lease (as leases._ACQUIRE does), the last token granted on this slot before, and the slot's state in the
@@ -84,10 +84,10 @@ def content_doc(content: Content | None) -> dict[str, Any] | None:
             "fingerprint": content.fingerprint}
 
 
-def pending_doc(want: Want | None, restore: str | None) -> dict[str, Any] | None:
-    """What a claim tells the other replicas of the request that will hold the slot: what it will leave there, its
-    max_tokens (for their wait plans) and the file it restores first."""
-    pending = content_doc(want.pending()) if want is not None else None
+def pending_doc(want: Want | None, restore: str | None, slot: Slot | None = None) -> dict[str, Any] | None:
+    """What a claim tells the other replicas of the request that will hold `slot`: what it will leave there (under
+    the name its save will write), its max_tokens (for their wait plans) and the file it restores first."""
+    pending = content_doc(want.pending(slot)) if want is not None else None
     if pending is not None and want is not None and want.answer_tokens:
         pending["answer_tokens"] = want.answer_tokens
     if pending is not None and restore is not None:

@@ -60,6 +60,14 @@ def retryable(result: SlotAction) -> bool:
     return not result.ok and (result.status == 0 or (result.status >= 500 and result.status != 501))
 
 
+def cache_file(backend: Backend, prompt: Prompt) -> str:
+    """The name `prompt`'s prefix cache is saved under on `backend` (`prefix_file`: its key and the model's
+    identity). What a request announces it will leave in its slot, so no replica's limits delete that name while
+    llama-server writes it."""
+    fingerprint = backend.identity(route_name(prompt.model))
+    return prefix_file(prompt.key, fingerprint) if fingerprint else prompt.key
+
+
 def slot_files_off(backend: Backend, result: SlotAction) -> None:
     """A slot call answered 501: the server has no --slot-save-path; stop asking it (logged once)."""
     if result.status == 501 and not backend.saves_off:
@@ -125,9 +133,8 @@ class Saver:
             tokens = record.prompt_tokens + max(record.completion_tokens - 1, 0)
         if want is not None:
             return replace(want, chain=prompt.exact, tokens=tokens, saved=False)
-        key = prefix_file(prompt.key, fingerprint) if fingerprint else prompt.key
-        return Content(key, prompt.exact, keep=big, prompt=prompt, model=prompt.model, tokens=tokens,
-                       fingerprint=fingerprint)
+        return Content(cache_file(backend, prompt), prompt.exact, keep=big, prompt=prompt, model=prompt.model,
+                       tokens=tokens, fingerprint=fingerprint)
 
     def learn(self, backend: Backend, prompt: Prompt, record: RequestRecord) -> None:
         speeds = self.speeds.of(backend.index, RouterModels.served(backend, prompt.model))

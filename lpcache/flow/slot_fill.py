@@ -50,7 +50,7 @@ from lpcache.config import Settings
 from lpcache.errors import QueueFull, SlotsBusy
 from lpcache.flow import cache_outcome
 from lpcache.flow.record import RequestRecord
-from lpcache.flow.saving import Saver, resavable, slot_files_off
+from lpcache.flow.saving import Saver, cache_file, resavable, slot_files_off
 from lpcache.flow.session_seed import SessionSeeds
 
 log = logging.getLogger("lpcache.slot_fill")
@@ -204,9 +204,9 @@ class SlotFiller:
         else:
             asked = Want(prompt, self.lookup(prompt) if want is None else (lambda: None), allowed, session, homes,
                          self.pays(prompt), self.index.protect, self.index.unprotect,
-                         (lambda: self.warm(prompt)) if want is None else None, self.index.__contains__)
-        asked.answer_tokens = answer_tokens
-        asked.ticket, asked.max_wait = record.ticket, record.max_wait
+                         (lambda: self.warm(prompt)) if want is None else None, self.index.__contains__,
+                         file_of=lambda slot: cache_file(self.backends[slot.backend], prompt))
+        asked.answer_tokens, asked.ticket, asked.max_wait = answer_tokens, record.ticket, record.max_wait
         planned_for = None if fresh is not None else session
 
         def plan_again() -> WaitPlan | None:
@@ -245,7 +245,7 @@ class SlotFiller:
                          h, RouterModels.served(self.backends[h], prompt.model)).describe().items() if v is not None)
                               for h in sorted(homes)))
         self.saver.cancel_idle_save(choice.slot)
-        choice.slot.pending = want or Content(prompt.key, prompt.exact)
+        choice.slot.pending = want or Content(cache_file(self.backends[choice.slot.backend], prompt), prompt.exact)
         choice.slot.phase, choice.slot.free_at = "prefill", None
         brought = choice.restore.shared if choice.restore is not None else choice.resident
         choice.slot.stream = bool(record.stream)
@@ -295,7 +295,7 @@ class SlotFiller:
         speeds = self.speeds.of(backend.index, RouterModels.served(backend, prompt.model))
         spared = speeds.prefill.seconds(speeds.tokens_of(more))
         started = time.perf_counter()
-        mine.pending = Content(prompt.key, prompt.exact)   # what other requests see in it meanwhile
+        mine.pending = Content(cache_file(backend, prompt), prompt.exact)   # what other requests see in it meanwhile
         try:
             released = await self.pool.until_released(best, cap if spared is None else min(cap, spared))
         except BaseException:   # cancelled (the client left): the slot goes back as it was

@@ -101,6 +101,25 @@ def test_concurrent_requests_through_two_replicas_never_share_a_slot(
     print(f"claims refused (another replica held the slot): {refused}, Redis calls: {calls}")
 
 
+def test_a_claim_tells_the_other_replicas_the_file_its_save_will_write(
+        start_backend: Any, start_proxy: Any, redis_server: RedisServer, tmp_path: Any) -> None:
+    """While replica A's request runs, replica B knows the name A's save will write (the prefix cache's file: the
+    prompt's key and the model's identity, not the key alone), so B's limits keep that name while llama-server
+    writes it."""
+    backend = start_backend(slots=1, gen_ms_per_token=40.0)
+    a, b = replicas(start_proxy, [backend], redis_server, tmp_path)
+    body = {**chats.request(21, 400), "max_tokens": 30}
+    slot = b.pipeline.pool.slots[0]
+    with ThreadPoolExecutor(1) as pool, httpx.Client(base_url=a.url, timeout=60) as client:
+        answer = pool.submit(client.post, "/v1/chat/completions", json=body)
+        assert b.run(_wait_for(lambda: slot.elsewhere is not None and slot.pending is not None))
+        announced = b.pipeline.fleet.files_in_use()
+        assert answer.result().status_code == 200
+    a.wait_finished(1)
+    saved = a.records[0].save_file
+    assert saved is not None and announced == {saved}, (announced, saved)
+
+
 async def _wait_for(check: Any, timeout: float = 10.0) -> bool:
     import asyncio
     import time
@@ -677,6 +696,7 @@ async def test_the_files_another_replicas_request_restores_or_saves_are_never_de
     from dataclasses import replace
 
     from lpcache.backends.placement import Want
+    from lpcache.cache.meta_files import prefix_file
     from lpcache.cache.prefix import Prompt
 
     folder = tmp_path / "slots"
@@ -687,24 +707,27 @@ async def test_the_files_another_replicas_request_restores_or_saves_are_never_de
         p = Prompt.of("m", [{"role": "system", "content": "Be brief."}, {"role": "user", "content": words}], 10)
         return replace(p, exact=p.chain)
 
+    def file(p: Prompt) -> str:   # the name a save of it writes (as `saving.cache_file`): key and model
+        return prefix_file(p.key, "fp")
+
     a, b = await _fleets(redis_server, tmp_path, 2, folder=str(folder))
     try:
         restored, saved, other = prompt("restored"), prompt("saved"), prompt("other")
         for p in (restored, saved):
-            (folder / p.key).write_bytes(b"kv")
-        await a.index.add(restored, restored.key, "http://b:8080", str(folder), "fp")
-        assert await _wait_for(lambda: restored.key in b.index)
-        await b.index.add(saved, saved.key, "http://b:8080", str(folder), "fp")   # an older save of A's prompt
+            (folder / file(p)).write_bytes(b"kv")
+        await a.index.add(restored, file(restored), "http://b:8080", str(folder), "fp")
+        assert await _wait_for(lambda: file(restored) in b.index)
+        await b.index.add(saved, file(saved), "http://b:8080", str(folder), "fp")   # an older save of A's prompt
         slot_a, slot_b = a.pool.slots[0], b.pool.slots[0]
         slot_a.busy = True
-        assert await a.claim(slot_a, Want(saved), restore=restored.key)
-        assert await _wait_for(lambda: slot_b.elsewhere == "r0" and slot_b.restoring == restored.key)
-        assert b.files_in_use() == {restored.key, saved.key}
+        assert await a.claim(slot_a, Want(saved, file_of=lambda slot: file(saved)), restore=file(restored))
+        assert await _wait_for(lambda: slot_b.elsewhere == "r0" and slot_b.restoring == file(restored))
+        assert b.files_in_use() == {file(restored), file(saved)}
         b.index.meta_max = 1
-        (folder / other.key).write_bytes(b"kv")
-        removed = await b.index.add(other, other.key, "http://b:8080", str(folder), "fp")
-        assert removed == [] and restored.key in b.index and saved.key in b.index, "both in use on A"
-        assert (folder / restored.key).exists() and (folder / saved.key).exists()
+        (folder / file(other)).write_bytes(b"kv")
+        removed = await b.index.add(other, file(other), "http://b:8080", str(folder), "fp")
+        assert removed == [] and file(restored) in b.index and file(saved) in b.index, "both in use on A"
+        assert (folder / file(restored)).exists() and (folder / file(saved)).exists()
         a.pool.release(slot_a, True)
         assert await _wait_for(lambda: slot_b.elsewhere is None and slot_b.restoring is None)
         assert b.files_in_use() == set()
@@ -882,6 +905,38 @@ async def test_a_session_saved_on_another_server_is_looked_for_there_and_an_olde
         a.on_change("sessions", file, older)
         assert info_a.latest == 1 and info_a.saved_chain == (1, 2, 3) and info_a.saved_tokens == 480, \
             "an older save's document is not taken over a newer one"
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_a_release_of_a_lease_no_longer_held_is_logged_as_failed_and_writes_nothing(
+        redis_server: RedisServer, tmp_path: Any, caplog: Any) -> None:
+    """A replica's lease is gone when it gives the slot back (it lapsed while the replica was cut off, or Redis lost
+    it): the release script refuses to write. That is a failed release, logged, and what the replica left in the
+    slot is not published as if it were."""
+    import logging
+
+    import redis as redis_sync
+
+    from lpcache.backends.slots import Content
+    from lpcache.fleet.leases import PREFIX
+
+    a, b = await _fleets(redis_server, tmp_path, 2)
+    try:
+        slot_a, slot_b = a.pool.slots[0], b.pool.slots[0]
+        slot_a.busy = True
+        assert await a.claim(slot_a)
+        assert await _wait_for(lambda: slot_b.elsewhere == "r0")
+        redis_sync.Redis.from_url(redis_server.url).delete(PREFIX + slot_a.name)   # the lease is gone
+        slot_a.content = Content("d" * 64, (3,), saved=True, model="m", tokens=12)
+        with caplog.at_level(logging.WARNING, logger="lpcache.fleet"):
+            a.pool.release(slot_a, True)
+            assert await _wait_for(lambda: slot_a.name not in a._releasing and slot_a not in a._handing)
+        failed = [r.getMessage() for r in caplog.records if "slot_release_failed" in r.getMessage()]
+        assert failed and "lease_no_longer_held" in failed[0], caplog.text
+        assert _state(redis_server, slot_a.name).get("content") is None, "nothing written under a lost lease"
+        assert slot_b.content is None or slot_b.content.key != "d" * 64
     finally:
         await a.stop()
         await b.stop()
