@@ -14,9 +14,9 @@ would not be served only when SLOT_WAIT_TIMEOUT ran out. Now, when requests outn
   arrival order, as before.
 - **A share kept for a client that comes back** (`Reserved`): when a client's last slot comes free, one slot of
   that backend stays out of another client's reach for one mean hold time (HoldTimes, at most RESERVE_MAX), unless
-  that other client holds no slot itself. An agent's next step, sent the moment its answer ends, finds its slot
-  instead of waiting behind another client's whole burst; a client that does not come back costs the others at
-  most that one hold time of one slot.
+  that other client holds no slot itself, asks for a higher class, or would give up before the share ends. An
+  agent's next step, sent the moment its answer ends, finds its slot instead of waiting behind another client's
+  whole burst; a client that does not come back costs the others at most that one hold time of one slot.
 - **Refusals**, before any wait: 429 when QUEUE_MAX requests wait already; 503 when the wait the line predicts (the
   requests ahead, at the slots' recent hold times: `HoldTimes`) passes the request's deadline (SLOT_WAIT_TIMEOUT, or
   less with `X-Lpcache-Max-Wait: SECONDS`). Both carry `Retry-After`. A wait that runs out all the same is a 503
@@ -28,6 +28,7 @@ Pure: the pool (`slot_pool`) keeps the line and calls these.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -101,15 +102,21 @@ class Reserved:
     priority: int
 
 
-def held_back(ticket: Ticket, idle_backends: list[int], holding: Mapping[str | None, int], waiting: set[str | None],
-              kept: Mapping[str | None, Reserved], now: float) -> float | None:
-    """When `ticket`'s client may take one of the idle slots (on `idle_backends`, one entry per slot): None at once,
-    else the moment the first share kept for another client runs out. A client that holds no slot is never held
-    back (it takes its own share); nor for a client that holds one, waits in line (the line's order serves it), or
-    asked for a lower class."""
+def kept_free(ticket: Ticket, idle_backends: list[int], holding: Mapping[str | None, int], waiting: set[str | None],
+              kept: Mapping[str | None, Reserved], now: float, patience: float) -> tuple[set[int] | None, float | None]:
+    """Which of the idle slots (their backends, `idle_backends`: one entry per slot) `ticket`'s client may take now:
+    (None, None) any; (backends, None) only those on `backends`, the others' idle slots being kept for other
+    clients; (empty, until) none before `until`, when the first share it must leave runs out. A client that holds
+    no slot is never held back (it takes its own share); nor for a client that holds one, waits in line (the line's
+    order serves it) or asked for a lower class; nor for a share that outlasts the request's `patience` (seconds
+    it may still wait: holding it back would only make it time out)."""
     if not holding.get(ticket.client, 0):
-        return None
-    ends = [r.until for c, r in kept.items()
-            if c != ticket.client and r.until > now and not holding.get(c, 0) and c not in waiting
-            and r.priority <= ticket.priority and r.backend in idle_backends]
-    return min(ends) if len(ends) >= len(idle_backends) else None
+        return None, None
+    shares = [r for c, r in kept.items()
+              if c != ticket.client and now < r.until <= now + patience and not holding.get(c, 0)
+              and c not in waiting and r.priority <= ticket.priority and r.backend in idle_backends]
+    if not shares:
+        return None, None
+    needed = Counter(r.backend for r in shares)
+    spare = {b for b, n in Counter(idle_backends).items() if n > needed[b]}
+    return (spare, None) if spare else (set(), min(r.until for r in shares))

@@ -8,13 +8,14 @@ a busy slot while another is idle. With REDIS_URL, a slot is claimed across repl
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from lpcache.backends.admission import CLASSES, RESERVE_MAX, HoldTimes, Reserved, held_back
+from lpcache.backends.admission import CLASSES, RESERVE_MAX, HoldTimes, Reserved, kept_free
 from lpcache.backends.placement import Choice, WaitPlan, Want
 from lpcache.backends.slots import Content, Slot
 from lpcache.errors import QueueFull, SlotsBusy
@@ -23,6 +24,7 @@ from lpcache.errors import QueueFull, SlotsBusy
 @dataclass(eq=False)
 class _Waiter:
     want: Want
+    deadline: float = math.inf   # when it gives up (monotonic)
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -112,20 +114,25 @@ class SlotPool:
         """The slots each client holds, and the clients with a request in line."""
         return self.holding(), {w.want.ticket.client for w in self._waiters if not w.future.done()}
 
-    def _held_back(self, want: Want, idle: list[Slot], line: tuple[Counter[str | None], set[str | None]] | None = None
-                   ) -> float | None:
-        """None when `want` may take one of the `idle` slots now, else when a share kept for another client
-        (`admission.Reserved`) runs out. `line`: the slots each client holds and the clients in line, when known."""
-        if not self.kept:
-            return None
+    def _free(self, want: Want, idle: list[Slot], deadline: float = math.inf,
+              line: tuple[Counter[str | None], set[str | None]] | None = None) -> tuple[list[Slot], float | None]:
+        """The `idle` slots `want` may take now, leaving those kept for other clients (`admission.kept_free`);
+        when none, also when the first share it must leave runs out. `deadline`: when the request gives up;
+        `line`: the slots each client holds and the clients in line, when known."""
+        if not self.kept or not idle:
+            return idle, None
         holding, waiting = line or self._clients_now()
-        return held_back(want.ticket, [s.backend for s in idle], holding, waiting, self.kept, time.monotonic())
+        now = time.monotonic()
+        spare, until = kept_free(want.ticket, [s.backend for s in idle], holding, waiting, self.kept, now,
+                                 deadline - now)
+        return (idle if spare is None else [s for s in idle if s.backend in spare]), until
 
     def _keep_share(self, slot: Slot) -> None:
         """`slot`'s client gave it back: if that was its last one, keep a share for it for one mean hold time."""
         now = time.monotonic()
         self.kept = {c: r for c, r in self.kept.items() if r.until > now}
-        if self.hold.mean is None or any(s.client == slot.client for s in self.slots if s is not slot and s.busy):
+        if self.hold.mean is None or any(s.client == slot.client for s in self.slots
+                                         if s is not slot and s.busy and s.taken_at):
             return
         self.kept[slot.client] = Reserved(now + min(self.hold.mean, RESERVE_MAX), slot.backend, slot.priority)
 
@@ -223,16 +230,17 @@ class SlotPool:
         (`plan.seconds`, decided again at the awaited slot's progress, never beyond the first), then for any: the
         waiter widens where it stands in the line. Returns the choice and whether it came while the plan held."""
         narrow = want.only(plan.wanted) if plan is not None else want
-        idle = self.idle(narrow.allowed)
-        if idle and not self._waiters and self._held_back(narrow, idle) is None:
-            return self._take(narrow.choose(idle, self.load()), want), plan is not None
+        deadline = time.monotonic() + timeout
+        free, _ = self._free(narrow, self.idle(narrow.allowed), deadline)
+        if free and not self._waiters:
+            return self._take(narrow.choose(free, self.load()), want), plan is not None
         self._seq += 1
         if want.ticket.seq == 0:   # its place in line (kept when it queues again: `Refused`)
             want.ticket = replace(want.ticket, seq=self._seq)
             narrow.ticket = want.ticket
-        if not self.idle(want.allowed):   # a request planning on a busy slot while another is idle is not refused
-            self.admit(want, timeout)
-        waiter = _Waiter(narrow)
+        if not self._free(want, self.idle(want.allowed), deadline)[0]:
+            self.admit(want, timeout)   # (a request planning on a busy slot while another is free is not refused)
+        waiter = _Waiter(narrow, deadline)
         self._waiters.append(waiter)
         self.wake()
         loop = asyncio.get_running_loop()
@@ -372,7 +380,7 @@ class SlotPool:
         handed, reopen = True, None
         while handed:   # the line's order again after each hand-out: the slots each client holds changed
             handed = False
-            line, held_class = self._clients_now(), len(CLASSES)
+            line, held = self._clients_now(), [set[Slot]() for _ in CLASSES]
             for waiter in self._in_line():
                 if waiter.future.done():
                     self._waiters.remove(waiter)
@@ -382,15 +390,16 @@ class SlotPool:
                     if not self.idle():
                         return
                     continue
-                if waiter.want.ticket.priority > held_class:   # never ahead of a higher class held back
-                    continue
-                until = self._held_back(waiter.want, idle, line)
-                if until is not None:
-                    reopen = until if reopen is None else min(reopen, until)
-                    held_class = min(held_class, waiter.want.ticket.priority)
+                level = waiter.want.ticket.priority   # never ahead of a higher class held back, on its slots
+                free, until = self._free(waiter.want, [s for s in idle if not any(s in h for h in held[:level])],
+                                         waiter.deadline, line)
+                if not free:
+                    if until is not None:
+                        reopen = until if reopen is None else min(reopen, until)
+                        held[level].update(idle)
                     continue
                 self._waiters.remove(waiter)
-                waiter.future.set_result(self._take(waiter.want.choose(idle, self.load()), waiter.want))
+                waiter.future.set_result(self._take(waiter.want.choose(free, self.load()), waiter.want))
                 handed = True
                 break
         if reopen is not None:

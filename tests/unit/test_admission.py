@@ -260,3 +260,71 @@ async def test_a_kept_share_holds_back_no_higher_class_and_no_lower_class_before
     assert len(done) == 2
     for t in (low, normal):
         pool.release(t.result().slot)
+
+
+def on(backend: int, i: int) -> Slot:
+    return Slot(backend=backend, id=i, url=f"http://b{backend}")
+
+
+async def test_while_a_share_is_kept_queue_max_and_deadlines_still_refuse_at_once() -> None:
+    pool = SlotPool([on(0, 0), on(0, 1)], queue_max=2)
+    pool.hold.add(10.0)
+    b = await pool.acquire(Want(ticket=Ticket("b")))
+    a = await pool.acquire(Want(ticket=Ticket("a")))
+    pool.release(b.slot)   # b's share is kept: a may not take the last idle slot for 10 s
+    line = [await waiting(pool, Ticket("a"), timeout=20.0) for _ in range(2)]
+    with pytest.raises(QueueFull):
+        await pool.acquire(Want(ticket=Ticket("a")), timeout=20.0)
+    assert pool.waiting == 2 and not any(t.done() for t in line)
+    for t in line:
+        t.cancel()
+    await asyncio.gather(*line, return_exceptions=True)
+    pool.release(a.slot)
+
+
+async def test_a_request_whose_deadline_ends_before_the_share_is_not_held_back() -> None:
+    pool = SlotPool([on(0, 0), on(0, 1)])
+    pool.hold.add(10.0)
+    b = await pool.acquire(Want(ticket=Ticket("b")))
+    a = await pool.acquire(Want(ticket=Ticket("a")))
+    pool.release(b.slot)
+    got = await pool.acquire(Want(ticket=Ticket("a")), timeout=1.0)   # waiting out b's share would time it out
+    assert got.slot is b.slot
+    for choice in (got, a):
+        pool.release(choice.slot)
+
+
+async def test_a_share_holds_back_only_slots_of_its_backend_and_no_class_on_other_backends() -> None:
+    x0, x1, y0 = on(0, 0), on(0, 1), on(1, 0)   # backend 0 serves model X, backend 1 model Y
+    pool = SlotPool([x0, x1, y0])
+    pool.hold.add(10.0)
+    b = await pool.acquire(Want(ticket=Ticket("b"), allowed=lambda s: s.backend == 0))
+    a = await pool.acquire(Want(ticket=Ticket("a"), allowed=lambda s: s.backend == 0))
+    y_busy = await pool.acquire(Want(ticket=Ticket("e"), allowed=lambda s: s.backend == 1))
+    pool.release(b.slot)   # b's share: on backend 0
+    held = asyncio.create_task(pool.acquire(Want(ticket=Ticket("a", NORMAL), allowed=lambda s: s.backend == 0), 20))
+    low = asyncio.create_task(pool.acquire(Want(ticket=Ticket("d", LOW), allowed=lambda s: s.backend == 1), 20))
+    await asyncio.sleep(0)
+    pool.release(y_busy.slot)   # backend 1's only slot: nobody's share
+    got = await asyncio.wait_for(low, timeout=5)
+    assert got.slot is y0 and not held.done()
+    held.cancel()
+    await asyncio.gather(held, return_exceptions=True)
+    for choice in (got, a):
+        pool.release(choice.slot)
+
+
+async def test_shares_on_one_backend_leave_another_backends_idle_slot_free() -> None:
+    s = [on(0, 0), on(0, 1), on(0, 2), on(1, 0)]
+    pool = SlotPool(s)
+    pool.hold.add(10.0)
+    b = await pool.acquire(Want(ticket=Ticket("b"), allowed=lambda x: x is s[0]))
+    c = await pool.acquire(Want(ticket=Ticket("c"), allowed=lambda x: x is s[1]))
+    a = await pool.acquire(Want(ticket=Ticket("a"), allowed=lambda x: x is s[2]))
+    pool.release(b.slot)
+    pool.release(c.slot)   # shares of b and c, both on backend 0
+    d = await pool.acquire(Want(ticket=Ticket("d"), allowed=lambda x: x is s[0]))   # holds none: takes one
+    got = await asyncio.wait_for(pool.acquire(Want(ticket=Ticket("a")), timeout=20.0), timeout=5)   # not in 10 s
+    assert got.slot is s[3], "backend 1's idle slot is nobody's share"
+    for choice in (got, a, d):
+        pool.release(choice.slot)
