@@ -11,7 +11,9 @@ one it is about to unload.
 
 Every cache is tied to the model that made it: a backend's *fingerprint* is a digest of what `/props` and
 `/v1/models` say of its model (path, chat template, special tokens, size, parameters, vocabulary, training context;
-and the file's size and time when lpcache sees the same path), per model on a router. A file saved under one
+and the file's size and time when lpcache sees the same path) and of the server's build (`build_info`: a build may
+save in another format), per model on a router. What else decides whether a file loads (the KV cache's type, the
+slot's context) is `loadable`'s. A file saved under one
 fingerprint is never restored into a server with another: a GGUF swapped behind the same URL starts a new cache.
 
 Each backend has a circuit breaker. A failure (connection refused or reset, timeout, 5xx) opens it for a cooldown
@@ -40,6 +42,7 @@ import orjson
 
 from lpcache.backends.clients import backend_client
 from lpcache.backends.llama import LlamaClient
+from lpcache.backends.loadable import Loadable
 from lpcache.backends.slots import Slot
 from lpcache.cache.server_cache import RamWatch
 from lpcache.config import BackendConfig, Settings
@@ -123,6 +126,7 @@ class Backend:
     suspect: bool = False      # something may have changed its slots behind lpcache (checked with GET /slots)
     ram: RamWatch = field(default_factory=RamWatch)   # what its RAM prompt cache (--cache-ram) does with prompts
     launched_at: float = 0.0   # when a request was last sent to it (monotonic): idle slots were copied to its RAM then
+    loadable: Loadable = field(default_factory=Loadable)   # what it can load beyond the model (`loadable`)
     saves_off: bool = False    # it answered a slot call 501 (no --slot-save-path): no saves, no restores until it
                                # is seen down and back (restarted, perhaps with the flag)
 
@@ -138,15 +142,15 @@ class Backend:
         """The slots of a single-model server (a router has none until a model is asked for)."""
         if self.router:
             return []
-        return [Slot(self.index, i, self.config.kv_cache, self.config.slot_save_path, self.url)
-                for i in range(start, self.n_slots)]
+        return [Slot(self.index, i, self.config.kv_cache, self.config.slot_save_path, self.url,
+                     loadable=self.loadable) for i in range(start, self.n_slots)]
 
     def slots_for(self, model: str, n: int) -> list[Slot]:
         """A router's slots of one model, beyond those made already."""
         start = self.model_slots.get(model, 0)
         self.model_slots[model] = max(start, n)
-        return [Slot(self.index, i, self.config.kv_cache, self.config.slot_save_path, self.url, model=model)
-                for i in range(start, n)]
+        return [Slot(self.index, i, self.config.kv_cache, self.config.slot_save_path, self.url, model=model,
+                     loadable=self.loadable) for i in range(start, n)]
 
     def identity(self, route: str) -> str | None:
         """The fingerprint of the model a request for `route` runs on here (None: unknown, so nothing is cached)."""
@@ -204,7 +208,8 @@ class Backend:
         self.model_ids = tuple(m["id"] for m in entries)
         if self.router:
             old = dict(self.model_fingerprints)
-            self.model_fingerprints = {m["id"]: router_model_fingerprint(m) for m in entries}
+            self.model_fingerprints = {m["id"]: router_model_fingerprint(m, props.get("build_info"))
+                                       for m in entries}
             swapped = [k for k, v in old.items() if self.model_fingerprints.get(k, v) != v]
             for name in swapped:
                 log.warning("backend_model_changed url=%s model=%s: another model file behind the same name; its "
@@ -213,12 +218,16 @@ class Backend:
         fingerprint = model_fingerprint(props, entries[0] if entries else {})
         changed = self.fingerprint is not None and fingerprint != self.fingerprint
         if changed:
-            log.warning("backend_model_changed url=%s model_path=%s: the server runs another model than before; "
-                        "caches of the old one are not restored into it", self.url, props.get("model_path"))
+            log.warning("backend_model_changed url=%s model_path=%s build=%s: the server runs another model or build "
+                        "than before; caches saved before are not restored into it", self.url,
+                        props.get("model_path"), props.get("build_info"))
         if self.fingerprint != fingerprint:
             log.info("backend_model url=%s fingerprint=%s model_path=%s", self.url, fingerprint,
                      props.get("model_path"))
         self.fingerprint = fingerprint
+        settings = props.get("default_generation_settings")
+        n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
+        self.loadable.n_ctx = n_ctx if isinstance(n_ctx, int) and n_ctx > 0 else None
         return changed
 
     def available(self, now: float | None = None) -> bool:
@@ -241,7 +250,8 @@ class Backend:
         self.last_seen = time.monotonic()
 
 
-IDENTITY_PROPS = ("model_path", "chat_template", "bos_token", "eos_token")
+IDENTITY_PROPS = ("model_path", "chat_template", "bos_token", "eos_token", "build_info")   # a build may change the
+                                                                                      # save format
 IDENTITY_META = ("n_params", "size", "n_vocab", "n_embd", "n_ctx_train", "vocab_type", "ftype")
 
 
@@ -269,14 +279,14 @@ def model_fingerprint(props: dict[str, Any], model: dict[str, Any]) -> str:
     return _digest(facts)
 
 
-def router_model_fingerprint(model: dict[str, Any]) -> str:
+def router_model_fingerprint(model: dict[str, Any], build: Any = None) -> str:
     """The identity of one model of a router, from its /v1/models entry: its name, where it comes from, and the
-    model file its instance is started with (the value after -m/--model in its arguments)."""
+    model file its instance is started with (the value after -m/--model in its arguments); and the router's build."""
     status: dict[str, Any] = model["status"] if isinstance(model.get("status"), dict) else {}
     args: list[Any] = status["args"] if isinstance(status.get("args"), list) else []
     path = next((args[i + 1] for i, a in enumerate(args[:-1]) if a in ("-m", "--model")), None)
     return _digest({"id": model.get("id"), "source": model.get("source"), "path": path,
-                    "file": _file_identity(path)})
+                    "file": _file_identity(path), "build_info": build})
 
 
 def start_problem(e: ProxyError) -> str:

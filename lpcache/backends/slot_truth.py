@@ -59,6 +59,8 @@ class SlotTruth:
             if listing is None:
                 continue   # no /slots on this server: lpcache cannot tell
             counts = {s.get("id"): s.get("n_prompt_tokens") for s in listing}
+            backend.loadable.slot_ctx.update({(model, s["id"]): s["n_ctx"] for s in listing if isinstance(
+                s.get("id"), int) and isinstance(s.get("n_ctx"), int) and s["n_ctx"] > 0})
             working = {s.get("id") for s in listing if s.get("is_processing")}
             lost = []
             for slot in mine:

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from lpcache.backends.loadable import Loadable
 from lpcache.cache.meta_files import Candidate
 from lpcache.cache.prefix import Prompt
 
@@ -66,6 +67,7 @@ class Slot:
     elsewhere: str | None = None     # with REDIS_URL: the replica whose request holds it (`fleet`) ...
     elsewhere_until: float = 0.0     # ... until then at most (monotonic; its lease's expiry as last seen)
     restoring: str | None = None     # ... and the saved cache that request restores into it first, if any
+    loadable: Loadable | None = None   # what its server can load (`loadable`: KV layout, contexts), shared
 
     @property
     def taken(self) -> bool:
@@ -82,5 +84,6 @@ class Slot:
         return f"{self.url}#{self.id}"
 
     def can_read(self, candidate: Candidate | None) -> bool:
-        """Whether a saved cache's file is readable by this slot's server."""
-        return candidate is not None and self.kv_cache and candidate.entry.readable_by(self.url, self.slot_save_path)
+        """Whether a saved cache's file is readable by this slot's server, and loadable into this slot."""
+        return (candidate is not None and self.kv_cache and candidate.entry.readable_by(self.url, self.slot_save_path)
+                and (self.loadable is None or self.loadable.fits(candidate.entry, self.model, self.id)))

@@ -301,6 +301,7 @@ class Saver:
             speeds = self.speeds.of(backend.index, RouterModels.served(backend, content.model))
             speeds.save.add(result.work_ms, result.count("n_saved") or 0)
             speeds.learn_wait(result.ms, result.work_ms)
+            backend.loadable.saved(content.fingerprint, result.count("n_saved"), result.count("n_written"))
 
     # ---- what the slot held, saved before it is replaced ----
 
@@ -375,6 +376,7 @@ class Saver:
             b.bytes += n_written or 0
         path = backend.config.slot_save_path
         if result.ok:
+            backend.loadable.saved(held.fingerprint, result.count("n_saved"), n_written)
             if slot.content is held:
                 slot.content = replace(held, saved=True)
             if held.session is not None:

@@ -85,10 +85,9 @@ class SlotFiller:
         return covered + own
 
     def _held(self) -> tuple[list[str], list[str]]:
-        """(files a slot's cache holds all of but a short end, the slots' own files), of the idle slots that save
-        their cache before anything replaces it. None with REDIS_URL: another replica replaces a slot without
-        saving what this one left there (it does not know its prompt); nor at shutdown: a slot saved then is
-        never replaced, its file would just go."""
+        """(files a slot's cache holds all of but a short end, the slots' own files), of the idle slots that save their
+        cache before anything replaces it. None with REDIS_URL: another replica replaces a slot without saving what
+        this one left there (it does not know its prompt); nor at shutdown: a slot saved then is never replaced."""
         covered: list[str] = []
         own: list[str] = []
         if self.pool.claims is not None or self.saver.stopping:
@@ -481,13 +480,14 @@ class SlotFiller:
             else:   # a session's file used as a seed: the last of its route the session limits delete
                 self.saver.spawn(asyncio.to_thread(self.seeds.used, slot.backend, entry.key))
             return
-        log.warning("restore_failed key=%s slot=%s status=%s reason=%r: the server cleared the slot", entry.key[:16],
-                    slot.name, result.status, result.error)
+        layout = result.status == 400 and backend.loadable.refused(entry)   # not loadable there: nor its like
+        log.warning("restore_failed key=%s slot=%s status=%s reason=%r: the server cleared the slot%s", entry.key[:16],
+                    slot.name, result.status, result.error, "; its KV layout is not offered there" if layout else "")
         slot.content = None
         self.seeds.outcome(choice.seed, record, False)
         if seed is None:
             await self.index.discard_if_stale(entry.key)
-        if previous is not None and previous.saved:
+        if previous is not None and previous.saved and not layout:
             back = await swap.restore_file(backend.client, slot.id, previous.key, model)
             if back.ok:
                 slot.content = previous

@@ -2,7 +2,8 @@
 
 A slot action waits for its slot like any task, so a save sent during a stream runs
 when the stream ends and captures the generated tokens. The files are written inline:
-tiny, unless ``kv_bytes_per_token`` gives them a real cache's weight.
+tiny, unless ``kv_bytes_per_token`` gives them a real cache's weight. A file of another weight per token is refused
+on restore, as the real server refuses a file saved under another KV cache type (`-ctk` / `-ctv`).
 """
 
 from __future__ import annotations
@@ -147,6 +148,8 @@ def restore(state: MockState, slot: Slot, filename: str) -> Response:
             data = f.read()
         tokens = slotfile.decode(data)
         reason = RESTORE_TOO_BIG if len(tokens) > slot.n_ctx else None
+        if len(data) != len(slotfile.encode(tokens, state.config.kv_bytes_per_token * len(tokens))):
+            reason = RESTORE_INVALID   # saved under another KV cache type (another size per token): refused
     except (OSError, slotfile.SlotFileError):
         reason = RESTORE_INVALID
     if reason is not None:

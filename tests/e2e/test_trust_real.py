@@ -204,6 +204,75 @@ def test_a_model_swapped_behind_the_url_is_never_restored_into(tmp_path: Path,
         first.stop()
 
 
+def post(proxy: Proxy, body: dict[str, Any]) -> tuple[httpx.Response, Any]:
+    r = proxy.client.post("/v1/chat/completions", json={**body, "max_tokens": 4, "temperature": 0}, timeout=300)
+    assert r.status_code == 200, r.text
+    proxy.settle()
+    return r, proxy.records[-1]
+
+
+def test_files_of_another_kv_cache_type_are_not_offered_after_the_server_changed_it(tmp_path: Path) -> None:
+    """The same model and build behind the URL, restarted with a q8_0 KV cache (`-ctk q8_0 -ctv q8_0`) after saving
+    with the default f16: llama-server refuses such a file (400). One restore of an old file is refused, no other
+    old file is offered after it, and the new server's own files are restored."""
+    slots = str(tmp_path / "slots")
+    old = [chats.Conversation(81 + i, turns=2, n_words=450) for i in range(2)]
+    first = LlamaServer(slots, n_slots=1, cache_ram=0)
+    proxy = proxy_for(first, tmp_path)
+    try:
+        for conv in old:
+            _, record = post(proxy, conv.body)
+            assert record.saved and record.save_file, record
+        port = first.port
+        first.stop()
+        with LlamaServer(slots, port=port, n_slots=1, cache_ram=0, extra=["-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on"]):
+            _, record = post(proxy, old[0].advance("An answer."))
+            assert record.restored is False, record   # offered (nothing told yet), refused by the server
+            _, record = post(proxy, old[1].advance("An answer."))
+            assert record.restored is None and not record.restore_file, "the other old file is not offered"
+            fresh = chats.Conversation(91, turns=3, n_words=450)
+            _, record = post(proxy, fresh.body)
+            _, record = post(proxy, chats.request(93, 450))   # the slot holds another conversation now
+            r, record = post(proxy, fresh.advance("An answer."))
+            assert record.restored is True and r.headers["x-lpcache-cache-hit"] == "true", record
+            assert r.json()["timings"]["cache_n"] > 0
+            figures(f"  KV type changed: restore_failed once, then old files passed over; new file restored with "
+                    f"cache_n={r.json()['timings']['cache_n']}")
+    finally:
+        proxy.stop()
+        first.stop()
+
+
+def test_a_file_larger_than_the_slots_context_is_not_offered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A conversation saved on a server with a large context; the server restarted with a smaller one (`-c 2048`):
+    the file holds more tokens than a slot there, so a prompt sharing its start is computed, not restored into a
+    failure."""
+    import lpcache.backends.slot_truth
+
+    monkeypatch.setattr(lpcache.backends.slot_truth, "SLOTS_TRUSTED_FOR", 0.0)   # this restart takes under 1 s
+    slots = str(tmp_path / "slots")
+    conv = chats.Conversation(95, turns=3, n_words=2400)
+    first_turn = conv.body
+    conv.advance("An answer, short.")
+    whole = conv.advance("Another answer, short.")
+    first = LlamaServer(slots, n_slots=1, cache_ram=0, ctx=8192)
+    proxy = proxy_for(first, tmp_path)
+    try:
+        r, record = post(proxy, whole)
+        assert record.saved and r.json()["usage"]["prompt_tokens"] > 2048, r.json()["usage"]
+        post(proxy, chats.request(96, 450))   # the slot holds another conversation: only the file holds it
+        port = first.port
+        first.stop()
+        with LlamaServer(slots, port=port, n_slots=1, cache_ram=0, ctx=2048):
+            r, record = post(proxy, first_turn)
+            assert r.json()["usage"]["prompt_tokens"] < 2048
+            assert proxy.pipeline.backends[0].loadable.n_ctx == 2048
+            assert record.restored is None and not record.restore_file, record
+    finally:
+        proxy.stop()
+        first.stop()
+
+
 def test_a_router_saves_and_restores_in_prefix_mode(tmp_path: Path) -> None:
     from .test_real_router import RealRouter
 

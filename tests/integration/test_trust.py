@@ -181,6 +181,35 @@ def test_a_model_swapped_behind_the_url_is_never_restored_into(start_backend: An
     assert again.headers["x-lpcache-cache-hit"] == "true"
 
 
+def test_files_of_another_kv_cache_type_are_not_offered_after_the_server_changed_it(
+        start_backend: Any, start_proxy: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """The same model behind the URL, restarted with another KV cache type (the stand-in: another size per token;
+    it refuses such a file as llama-server does). Before any save there, one restore of an old file is refused and
+    no other old file is offered after it; once a save there shows the new layout, none is, and the new files are
+    restored as before."""
+    first = start_backend(slots=1, prefill_ms_per_token=PREFILL, kv_bytes_per_token=2000)
+    proxy = start_proxy(first)
+    old = [chats.Conversation(61 + i, turns=3, n_words=400) for i in range(3)]
+    for conv in old:
+        send(proxy, conv.body)   # each pushes the one before out of the only slot: files hold them
+    port = int(first.url.rsplit(":", 1)[1])
+    first.stop()
+    changed = start_backend(slots=1, prefill_ms_per_token=PREFILL, kv_bytes_per_token=1000, port=port)
+    assert all(e.fingerprint == proxy.pipeline.backends[0].fingerprint for e in proxy.pipeline.index._entries.values())
+    r = send(proxy, old[0].advance("An answer."))   # offered (nothing tells yet), refused by the server
+    assert r.headers["x-lpcache-restored"] == "false" and mock_stats(changed)["restore_failures"] == 1
+    assert "its KV layout is not offered there" in caplog.text
+    r = send(proxy, old[1].advance("An answer."))
+    assert r.headers["x-lpcache-restored"] == "false" and mock_stats(changed)["restore_failures"] == 1, \
+        "the other old files are not offered"
+    fresh = chats.Conversation(71, turns=3, n_words=400)
+    send(proxy, fresh.body)   # saved with the new layout
+    send(proxy, old[2].advance("An answer."))
+    r = send(proxy, fresh.advance("An answer."))
+    assert r.headers["x-lpcache-restored"] == "true" and r.headers["x-lpcache-cache-hit"] == "true"
+    assert mock_stats(changed)["restore_failures"] == 1
+
+
 def test_a_router_caches_in_prefix_mode_and_ignores_unknown_models(start_backend: Any, start_proxy: Any) -> None:
     router = start_backend(router=True, models=("a", "b"), slots=1, prefill_ms_per_token=PREFILL)
     proxy = start_proxy(router)

@@ -1,0 +1,68 @@
+"""Which saved files a server can load beyond the model: its KV layout (bytes per token, from its saves) and each
+slot's context. Figures from the real llama-server b11434 and SmolLM2-135M: 19 tokens saved in 438,840 bytes with
+an f16 cache, 233,640 with q8_0, 14 tokens in 172,360 with q8_0."""
+
+from __future__ import annotations
+
+from lpcache.backends.loadable import LAYOUT_MIN_TOKENS, Loadable, per_token
+from lpcache.backends.slots import Slot
+from lpcache.cache.meta_files import Candidate, MetaEntry
+
+F16, Q8 = 438_840 / 19, 233_640 / 19
+
+
+def entry(tokens: int | None, size: int, fingerprint: str | None = "fp") -> MetaEntry:
+    return MetaEntry(key="k" * 64, model="m", wpb=10, chain=(1, 2), timestamp=0.0, slot_save_path="/s",
+                     fingerprint=fingerprint, n_tokens=tokens, size=size)
+
+
+def test_bytes_per_token_is_read_only_from_enough_tokens() -> None:
+    assert per_token(LAYOUT_MIN_TOKENS - 1, 200_000) is None
+    assert per_token(None, 200_000) is None and per_token(100, 0) is None
+    assert per_token(19, 233_640) == Q8
+    assert abs((per_token(16, 16 * 12_256 + 776) or 0) / Q8 - 1) < 0.01, "a short file's header weighs little"
+
+
+def test_a_file_of_another_kv_type_is_not_offered_once_a_save_showed_the_servers() -> None:
+    loads = Loadable()
+    f16_file, q8_file = entry(200, int(200 * F16)), entry(300, int(300 * Q8))
+    assert loads.fits(f16_file, None, 0) and loads.fits(q8_file, None, 0)   # nothing known yet: offered
+    loads.saved("fp", 19, 233_640)   # the server saves with q8_0 now
+    assert loads.fits(q8_file, None, 0) and not loads.fits(f16_file, None, 0)
+    assert loads.fits(entry(200, int(200 * F16), fingerprint="other-model"), None, 0)   # another model: its own
+    assert loads.fits(entry(None, 0), None, 0), "a file without figures (the Rust lpcache's) is offered as before"
+
+
+def test_a_refused_layout_is_not_offered_until_a_save_shows_it_again() -> None:
+    loads = Loadable()
+    old, older = entry(200, int(200 * F16)), entry(500, int(500 * F16))
+    assert loads.refused(old), "news: f16 is not this server's"
+    assert not loads.fits(older, None, 0) and loads.fits(entry(300, int(300 * Q8)), None, 0)
+    loads.saved("fp", 40, int(40 * F16))   # the server was switched back to f16
+    assert loads.fits(older, None, 0)
+    # refused in the layout its saves showed: the server was restarted with another type since
+    assert loads.refused(older) and not loads.fits(older, None, 0) and loads.fits(entry(300, int(300 * Q8)), None, 0)
+
+
+def test_a_file_larger_than_the_slots_context_is_not_offered_there() -> None:
+    loads = Loadable(n_ctx=4096)
+    loads.slot_ctx[(None, 1)] = 1024   # GET /slots: slot 1 has a smaller context
+    big = entry(2000, 0)
+    assert loads.fits(big, None, 0) and not loads.fits(big, None, 1)
+    slots = [Slot(0, i, url="http://a", slot_save_path="/s", loadable=loads) for i in range(2)]
+    candidate = Candidate(entry=big, shared=3, ratio=1.0, exact=True)
+    assert [s.can_read(candidate) for s in slots] == [True, False]
+
+
+def test_the_models_identity_changes_with_the_servers_build() -> None:
+    """llama-server's save format changed within the last few hundred builds: an upgrade behind the same URL starts
+    new caches (and a router's models too)."""
+    from lpcache.backends.backend import model_fingerprint, router_model_fingerprint
+
+    props = {"model_path": "/m/SmolLM2.gguf", "chat_template": "{{x}}", "bos_token": "<s>", "eos_token": "</s>"}
+    model = {"id": "smol", "meta": {"n_params": 135_000_000, "size": 1, "n_vocab": 49152}}
+    before = model_fingerprint({**props, "build_info": "b11434-7b6f3f1"}, model)
+    assert model_fingerprint({**props, "build_info": "b11434-7b6f3f1"}, model) == before
+    assert model_fingerprint({**props, "build_info": "b11502-0c2e91a"}, model) != before
+    entry = {"id": "smol", "status": {"args": ["-m", "/m/SmolLM2.gguf"]}}
+    assert router_model_fingerprint(entry, "b11434") != router_model_fingerprint(entry, "b11502")
