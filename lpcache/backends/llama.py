@@ -237,8 +237,13 @@ class LlamaClient:
             data = orjson.dumps(body)
         except TypeError as e:  # orjson reads 1024 levels of nesting but writes only 254
             raise BadRequest(f"request body cannot be passed on: {e}", code="invalid_body") from e
-        upstream = await self._send("POST", path, params=params, data=data,
-                                    headers={**auth, "Content-Type": "application/json"})
+        headers = {**auth, "Content-Type": "application/json"}
+        if body.get("stream"):
+            # llama-server (b11434) closes a streamed answer's connection after its last event although it answers
+            # keep-alive: a request sent on it meanwhile would go out on a dead connection. Asked to close it, it
+            # says so (it echoes `Connection: close`) and the pool never keeps it.
+            headers["Connection"] = "close"
+        upstream = await self._send("POST", path, params=params, data=data, headers=headers, generates=True)
         if upstream.status != 200:
             await upstream.raise_error()
         return upstream
@@ -318,12 +323,18 @@ class LlamaClient:
         out = {k: v for k, v in headers.items() if k.lower() not in HOP_HEADERS}
         if self.headers:
             out = {k: v for k, v in out.items() if k.lower() not in CREDENTIAL_HEADERS} | self.headers
-        return await self._send(method, path_qs, data=body or None, headers=out, auto_decompress=False)
+        if b'"stream"' in body:
+            out["Connection"] = "close"   # it may be streamed: not pooled (see `chat`)
+        return await self._send(method, path_qs, data=body or None, headers=out, auto_decompress=False,
+                                generates=method not in ("GET", "HEAD", "OPTIONS"))
 
     async def _send(self, method: str, path: str, *, timeout: aiohttp.ClientTimeout | None = None,
-                    **kwargs: Any) -> Upstream:
+                    generates: bool = False, **kwargs: Any) -> Upstream:
         """Send a request; the answer's headers are in. A pooled connection found closed (the server's keep-alive
-        ran out just as it was taken) is no failure of the server: the request goes again at once on another."""
+        ran out just as it was taken) is no failure of the server: the request goes again at once on another;
+        unless it may start a generation (`generates`): the server may have read it before the connection broke,
+        and it is never sent twice (the caller fails over as for any broken connection). Such connections are rare:
+        lpcache keeps connections idle for less than llama-server's keep-alive, and closes a streamed answer's."""
         stale = 0
         while True:
             pooled = {"reused": False}
@@ -332,7 +343,7 @@ class LlamaClient:
                                                       allow_redirects=False, trace_request_ctx=pooled, **kwargs)
                 return Upstream(response, self.url)
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
-                if (pooled["reused"] and stale < STALE_RETRIES
+                if (pooled["reused"] and stale < STALE_RETRIES and not generates
                         and not isinstance(e, aiohttp.ClientConnectorError)):
                     stale += 1
                     log.info("stale_connection url=%s path=%s: a pooled connection was closed by the server; "

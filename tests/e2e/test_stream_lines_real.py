@@ -67,3 +67,39 @@ def test_concurrent_sessions_with_every_turn_saved_stream_only_data_lines(tmp_pa
             proxy.stop()
     assert all(rec.status == 200 and rec.saved for rec in records), [(r.status, r.saved) for r in records]
     assert sum(1 for rec in records if rec.restored) >= 1   # the sessions were swapped in and out of the slots
+
+
+def test_a_request_right_after_a_streamed_answer_never_meets_its_closed_connection(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """llama-server b11434 closes a streamed answer's connection after its last event although it answers
+    keep-alive (shown here first: a client that sends its next request on it fails). Through lpcache, a plain
+    request sent the moment each streamed answer ends goes out on a live connection, once: no stale connection,
+    no failover, no retry."""
+    import http.client
+    import json
+    import logging
+
+    with LlamaServer(str(tmp_path / "slots"), n_slots=2, cache_ram=0, ctx=8192) as server:
+        direct = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        short = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 2}
+        direct.request("POST", "/v1/chat/completions", json.dumps({**short, "stream": True}),
+                       {"Content-Type": "application/json"})
+        first = direct.getresponse()
+        first.read()
+        assert first.getheader("Keep-Alive"), "it answers keep-alive"
+        with pytest.raises((ConnectionError, http.client.HTTPException)):
+            direct.request("POST", "/v1/chat/completions", json.dumps(short), {"Content-Type": "application/json"})
+            direct.getresponse().read()
+        direct.close()
+        proxy = Proxy(Settings(backends=(BackendConfig(server.url, None, server.slot_save_path),),
+                               meta_dir=str(tmp_path / "meta"), host="127.0.0.1"))
+        try:
+            with caplog.at_level(logging.INFO):
+                for i in range(12):
+                    r = proxy.client.post("/v1/chat/completions", json={**short, "stream": i % 2 == 0,
+                                                                        "temperature": 0})
+                    assert r.status_code == 200, r.text
+            assert "stale_connection" not in caplog.text and "failover" not in caplog.text, caplog.text[-2000:]
+            assert sum(r.retries for r in proxy.records) == 0
+        finally:
+            proxy.stop()

@@ -240,3 +240,87 @@ def test_a_slot_action_count_is_an_int_the_server_reported_or_none() -> None:
     action = SlotAction(True, 200, {"n_saved": 812, "n_written": True, "n_read": 3.0, "n_restored": "812"}, 1.0)
     assert action.count("n_saved") == 812
     assert [action.count(n) for n in ("n_written", "n_read", "n_restored", "missing")] == [None] * 4
+
+
+async def _llama_like(close_after_stream: bool = True, drop_second: bool = False
+                      ) -> tuple[asyncio.Server, list[int], list[bytes]]:
+    """A raw HTTP server answering chat requests as llama-server b11434 does: keep-alive, but a streamed answer's
+    connection is closed after its last event (saying so only when the request asked for it: cpp-httplib echoes a
+    request's `Connection: close`). `drop_second`: a connection's second request is read and the
+    connection closed without an answer (the server may have started it). Returns the server, one entry per
+    connection, and each request line read."""
+    connections: list[int] = []
+    requests: list[bytes] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(1)
+        served = 0
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                body = await reader.readexactly(length)
+                requests.append(head.split(b"\r\n", 1)[0])
+                if drop_second and served:
+                    break
+                served += 1
+                if b'"stream":true' in body:
+                    events = (b'data: {"choices":[{"index":0,"delta":{"content":"Hi"}}]}\n\n'
+                              b"data: [DONE]\n\n")
+                    close = b"Connection: close\r\n" if b"connection: close" in head.lower() else b""   # echoed
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nKeep-Alive: timeout=5, "
+                                 b"max=100\r\n" + close + b"Content-Length: " + str(len(events)).encode()
+                                 + b"\r\n\r\n" + events)
+                    await writer.drain()
+                    if close_after_stream:
+                        break
+                    continue
+                answer = b'{"choices":[{"index":0,"message":{"role":"assistant","content":"Hi"}}]}'
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nKeep-Alive: timeout=5, max=100"
+                             b"\r\nContent-Length: " + str(len(answer)).encode() + b"\r\n\r\n" + answer)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, connections, requests
+
+
+def test_a_streamed_answers_connection_is_not_reused() -> None:
+    """llama-server closes it after the last event: the next request goes out on a new connection, at once, and
+    once (with the connection pooled it would meet a dead one, and a generation is never sent again)."""
+    async def run() -> None:
+        server, connections, requests = await _llama_like()
+        port = server.sockets[0].getsockname()[1]
+        async with client_session() as session:
+            client = LlamaClient(f"http://127.0.0.1:{port}", session, timeout=5.0)
+            for stream in (True, False, True, True, False, False):
+                upstream = await client.chat({"messages": [{"role": "user", "content": "hi"}], "stream": stream}, 0)
+                await upstream.read()
+                upstream.release()
+        server.close()
+        assert len(requests) == 6, requests   # none sent twice, none failed
+        assert len(connections) == 4          # a new one after each stream; the plain answers' one reused
+
+    asyncio.run(run())
+
+
+def test_a_generation_the_server_may_have_read_is_never_sent_again() -> None:
+    async def run() -> None:
+        server, connections, requests = await _llama_like(drop_second=True)
+        port = server.sockets[0].getsockname()[1]
+        body = {"messages": [{"role": "user", "content": "hi"}]}
+        async with client_session() as session:
+            client = LlamaClient(f"http://127.0.0.1:{port}", session, timeout=5.0)
+            upstream = await client.chat(dict(body), 0)
+            await upstream.read()
+            upstream.release()
+            with pytest.raises(BackendUnreachable):
+                await client.chat(dict(body), 0)   # read by the server on the pooled connection, then dropped
+        server.close()
+        assert len(requests) == 2 and len(connections) == 1, (requests, connections)
+
+    asyncio.run(run())
