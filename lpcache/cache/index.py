@@ -45,6 +45,7 @@ from lpcache.cache.meta_files import (
     read_regular,
     valid_key,
 )
+from lpcache.cache.orphans import remove_unnamed, unnamed_files
 from lpcache.cache.prefix import Prompt
 
 log = logging.getLogger("lpcache.index")
@@ -95,6 +96,7 @@ class MetaIndex(MetaFiles, IndexLimits):
         self._applying = False
         self.evicted = 0          # entries deleted by the limits since start
         self.lost = 0             # restores that found their entry gone (see `lost_restore`)
+        self.orphans_removed = 0  # files no entry named, deleted after their grace period (`orphans`)
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lpcache-meta")
 
     def __len__(self) -> int:
@@ -158,9 +160,8 @@ class MetaIndex(MetaFiles, IndexLimits):
           prompt and is kept.
         - Session files (`<route tag>_<session>.bin`) have no meta file: their name says what they are, they are
           found by it and counted by MAX_FILES / MAX_GIB. Kept.
-        - Any other file, including a 64-hex-digit one with neither meta file nor marker (the Rust lpcache names
-          its files the same way, and earlier lpcache versions left no marker), is not provably lpcache's: it is
-          never deleted, only counted in one line (`kv_files_unknown`).
+        - Any other file is not deleted here; a 64-hex-digit one with neither meta file nor marker is counted in
+          one line (`kv_files_unknown`), and goes once untouched for ORPHAN_GRACE_SECONDS (`orphans`).
         """
         for key in markers:
             if key not in self._entries:
@@ -181,7 +182,7 @@ class MetaIndex(MetaFiles, IndexLimits):
                 continue   # not visible here
             if count:
                 log.info("kv_files_unknown folder=%s count=%d bytes=%d: files named like prefix caches that no "
-                         "meta file describes (the Rust lpcache's, or left by an older lpcache) are left alone",
+                         "meta file describes; deleted once untouched for ORPHAN_GRACE_SECONDS (unless 0)",
                          folder, count, size)
 
     # ---- lookups ----
@@ -377,6 +378,18 @@ class MetaIndex(MetaFiles, IndexLimits):
             return None
         path = inside(folder, entry.key)
         return path is not None and os.path.isfile(path)
+
+    async def sweep_orphans(self, grace: float) -> int:
+        """Delete the files in the slot-save folders that no entry names and nothing wrote for `grace` seconds, nor
+        any request saves or restores now (`orphans`); their number."""
+        found = await self._run(unnamed_files, sorted(self._folders), self._entries.__contains__, grace, time.time())
+        busy = {*self._saving, *self._protected, *self._unlinking, *self.in_use_elsewhere()}
+        found = [(folder, key) for folder, key in found if key not in self._entries and key not in busy]
+        removed: list[tuple[str, int]] = []
+        if found:
+            await self._tracked([key for _, key in found], remove_unnamed, found, grace, removed)
+        self.orphans_removed += len(removed)
+        return len(removed)
 
     async def forget(self, key: str, slot_save_path: str | None) -> None:
         """After a failed save: the server writes in place, so the file `<key>` may be partial. Drop its meta and

@@ -401,6 +401,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("MAX_GIB", "--max-gib", _float(0.0), "0",
            "Keep at most this many GiB of saved session caches per route; 0 = no limit. Per backend: "
            "\"max_gib\" in BACKENDS.", metavar="GIB"),
+    Option("ORPHAN_GRACE_SECONDS", "--orphan-grace-seconds", _float(0.0), "900",
+           "Delete a file in a slot-save folder named like a prefix cache that no meta file of any replica names "
+           "(left by a crash) once nothing wrote it for this long; looked for every quarter of it (30 s at "
+           "least). 0 = never (such files are only counted at start).", metavar="SECONDS"),
     Option("MODELS_MAX", "--models-max", _int(0), "4",
            "The --models-max of a llama-server router (0 = no limit): the slots of the model it is about to "
            "unload are saved first. Per backend: \"models_max\" in BACKENDS.", metavar="N"),
@@ -456,7 +460,7 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("Saving and sessions", "When a slot's cache is written to disk, and how many session files are kept "
      "(see [sessions.md](sessions.md)).",
      ("SAVE_RETRIES", "SAVE_RETRY_DELAY_MS", "SAVE_POLICY", "SAVE_IDLE_SECONDS", "MAX_FILES", "MAX_GIB",
-      "MODELS_MAX")),
+      "MODELS_MAX", "ORPHAN_GRACE_SECONDS")),
     ("Limits and hardening", "What a client may send and how long it may wait (see [operations.md](operations.md)).",
      ("SLOT_WAIT_TIMEOUT", "QUEUE_MAX", "CLIENT_PRIORITIES", "SLOT_AFFINITY_WAIT", "LPCACHE_API_KEYS",
       "CLIENT_SLOT_ACTIONS", "MAX_BODY_BYTES",

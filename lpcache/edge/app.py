@@ -33,6 +33,7 @@ from lpcache.backends.llama import client_session
 from lpcache.backends.slot_pool import SlotPool
 from lpcache.cache.cache_files import GIB
 from lpcache.cache.index import MetaIndex
+from lpcache.cache.orphans import OrphanSweeper
 from lpcache.cache.session_ids import MAX_CHARS, read_session_id
 from lpcache.config import Settings, describe, shown_url
 from lpcache.config.version import __version__
@@ -380,12 +381,17 @@ def create_app(settings: Settings, plugins: Loaded | None = None) -> Starlette:
                 await plugin.start()
             prober = Prober(backends, lambda b, old: pool.add(b.slots(start=old)))
             prober.start()
+            fleet_of = app.state.pipeline.fleet   # with Redis: no sweep while the index may miss another's entries
+            sweeper = OrphanSweeper(index.sweep_orphans, settings.orphan_grace_seconds,
+                                    lambda: fleet_of is None or fleet_of.healthy)
+            sweeper.start()
             app.state.loop = asyncio.get_running_loop()
             log.info("app_start version=%s backends=%s slots=%d meta_entries=%d plugins=%s %s", __version__,
                      ",".join(f"{shown_url(b.url)}({b.n_slots})" for b in backends), len(pool.slots), loaded,
                      ",".join(p.name for p in plugins.all) or "-", describe(settings))
             yield
             await prober.stop()
+            await sweeper.stop()
             await app.state.pipeline.drain(settings.shutdown_timeout)
             await app.state.pipeline.save_all(settings.shutdown_timeout)
         finally:

@@ -112,6 +112,9 @@ class _Live(Collector):
                                   value=p.index.evicted)
         yield CounterMetricFamily("lpcache_restores_lost", "Restores whose chosen cache's file was gone before they "
                                   "ran", value=p.index.lost)
+        yield CounterMetricFamily("lpcache_orphan_files_removed", "Files in the slot-save folders no meta file named "
+                                  "(left by crashes), deleted after ORPHAN_GRACE_SECONDS",
+                                  value=p.index.orphans_removed)
         yield CounterMetricFamily("lpcache_slot_beliefs_corrected", "Slots found holding something else than "
                                   "lpcache believed (GET /slots)", value=p.truth.corrected)
         yield CounterMetricFamily("lpcache_reuse_verdicts", "Times a backend's model was found not to reuse "

@@ -940,3 +940,43 @@ async def test_a_release_of_a_lease_no_longer_held_is_logged_as_failed_and_write
     finally:
         await a.stop()
         await b.stop()
+
+
+async def test_a_file_another_replicas_entry_names_is_no_orphan_and_one_nobody_names_goes(
+        redis_server: RedisServer, tmp_path: Any) -> None:
+    """Two replicas, one slot-save folder: a file only replica A's meta file names (B knows it through Redis) stays
+    when B sweeps; a file no replica names (A killed mid-save, its marker on another host) goes after the grace
+    period; one A's request is saving now stays."""
+    import time
+    from dataclasses import replace
+
+    from lpcache.backends.placement import Want
+    from lpcache.cache.meta_files import prefix_file
+    from lpcache.cache.prefix import Prompt
+
+    folder = tmp_path / "slots"
+    folder.mkdir()
+
+    def prompt(tag: str) -> Prompt:
+        p = Prompt.of("m", [{"role": "user", "content": " ".join(f"{tag}{i}, «Ünïcode»" for i in range(60))}], 10)
+        return replace(p, exact=p.chain)
+
+    a, b = await _fleets(redis_server, tmp_path, 2, folder=str(folder))
+    try:
+        named, lost, busy = prompt("named"), prompt("lost"), prompt("busy")
+        files = {p.key: folder / prefix_file(p.key, "fp") for p in (named, lost, busy)}
+        for path in files.values():
+            path.write_bytes(b"kv")
+            os.utime(path, (time.time() - 3600, time.time() - 3600))
+        await a.index.add(named, prefix_file(named.key, "fp"), "http://b:8080", str(folder), "fp")
+        assert await _wait_for(lambda: prefix_file(named.key, "fp") in b.index)
+        slot_a, slot_b = a.pool.slots[0], b.pool.slots[0]
+        slot_a.busy = True
+        assert await a.claim(slot_a, Want(busy, file_of=lambda slot: prefix_file(busy.key, "fp")))
+        assert await _wait_for(lambda: slot_b.elsewhere == "r0")
+        assert await b.index.sweep_orphans(600.0) == 1
+        assert files[named.key].exists() and files[busy.key].exists() and not files[lost.key].exists()
+        a.pool.release(slot_a, True)
+    finally:
+        await a.stop()
+        await b.stop()

@@ -68,6 +68,7 @@ VALID = {
     "SAVE_POLICY": "evict",
     "SAVE_IDLE_SECONDS": "2.5",
     "MAX_FILES": "3",
+    "ORPHAN_GRACE_SECONDS": "120",
     "MAX_GIB": "1.5",
     "MODELS_MAX": "2",
     "META_MAX_GIB": "2.5",
@@ -521,10 +522,12 @@ def test_boolean_options_work_as_bare_flags() -> None:
 # ---- session mode, save policy, limits, router ----
 
 def test_save_policy_and_limits() -> None:
-    s = load(SAVE_POLICY="Evict", SAVE_IDLE_SECONDS="2.5", MAX_FILES="3", MAX_GIB="1.5", MODELS_MAX="0")
+    s = load(SAVE_POLICY="Evict", SAVE_IDLE_SECONDS="2.5", MAX_FILES="3", MAX_GIB="1.5", MODELS_MAX="0",
+             ORPHAN_GRACE_SECONDS="120")
     assert (s.save_policy, s.save_idle_seconds, s.max_files, s.max_gib, s.models_max) == ("evict", 2.5, 3, 1.5, 0)
     d = load()
     assert (d.save_policy, d.save_idle_seconds, d.max_files, d.max_gib, d.models_max) == ("eager", 0.0, 0, 0.0, 4)
+    assert (s.orphan_grace_seconds, d.orphan_grace_seconds) == (120.0, 900.0)
     assert load(["--save-policy", "evict", "--max-files", "2"]).max_files == 2
 
 

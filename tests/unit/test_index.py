@@ -903,3 +903,29 @@ async def test_a_save_is_marked_at_once_unless_a_queued_job_deletes_its_very_nam
     await asyncio.wait_for(asyncio.gather(blocker, adding, again), 5)
     assert not exists(os.path.join(a, first.key))   # deleted, then marked for the new save
     assert exists(os.path.join(idx.meta_dir, first.key + ".saving"))
+
+
+async def test_files_no_entry_names_go_once_untouched_for_the_grace_period(make_index, folders, caplog) -> None:
+    """A crash leaves a KV file no meta file names: the sweep deletes it once nothing wrote it for the grace
+    period. A file an entry names, one whose save is under way, one another replica's request uses, a fresh one,
+    session files and other names stay."""
+    a_dir, b_dir = folders
+    idx = make_index(wpb=2, slot_save_paths=[a_dir, b_dir])
+    named, saving, elsewhere = (prompt(text(6, tag=t)) for t in ("n", "s", "e"))
+    await idx.add(named, URL, a_dir)
+    old = time.time() - 3600
+    paths = {name: kv_file(folder, name) for folder, name in (
+        (a_dir, named.key), (a_dir, saving.key), (a_dir, elsewhere.key), (a_dir, "a" * 64), (b_dir, "b" * 64),
+        (a_dir, "Qwen3-1a2b3c4d_" + "0" * 32 + ".bin"), (a_dir, "notes.txt"))}
+    for path in paths.values():
+        os.utime(path, (old, old))
+    fresh = kv_file(a_dir, "f" * 64)   # just written: within the grace period
+    await idx.saving(saving.key, a_dir)
+    idx.in_use_elsewhere = lambda: {elsewhere.key}
+    with caplog.at_level("INFO", logger="lpcache.orphans"):
+        assert await idx.sweep_orphans(600.0) == 2
+    assert not exists(paths["a" * 64]) and not exists(paths["b" * 64])
+    assert all(exists(p) for name, p in paths.items() if name not in ("a" * 64, "b" * 64)) and exists(fresh)
+    assert idx.orphans_removed == 2
+    assert sum("reason=orphan" in r.message for r in caplog.records) == 2
+    assert await idx.sweep_orphans(600.0) == 0
