@@ -260,6 +260,8 @@ class Saver:
         except SharedStoreDown as e:
             log.warning("slot_save_skipped slot=%s: %s", slot.name, e)
             return content
+        if slot.pending is not None and slot.pending.key != content.key:
+            slot.pending = replace(slot.pending, key=content.key)   # a ring's name: told to the others as written
         await self.index.saving(content.key, backend.config.slot_save_path)   # reconciled at start if we stop here
         for attempt in range(1, attempts + 1):
             try:
