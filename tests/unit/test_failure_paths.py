@@ -175,6 +175,14 @@ def test_slot_wait_timeout_bounds_the_whole_wait() -> None:
 # ---- a pooled connection the server closed ----
 
 
+async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    """A request's head and its body (by its Content-Length), as a raw HTTP server reads them."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)
+    return head, await reader.readexactly(length)
+
+
 async def _server(answer_once: bool) -> tuple[asyncio.Server, list[int]]:
     """A raw HTTP server: each connection answers its first request (keep-alive) and closes on the next one without
     answering, as llama-server does when its keep-alive ran out just as the request came. `answer_once` False:
@@ -186,10 +194,7 @@ async def _server(answer_once: bool) -> tuple[asyncio.Server, list[int]]:
         served = 0
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                               if line.lower().startswith(b"content-length:")), 0)
-                await reader.readexactly(length)
+                await read_request(reader)
                 if served or not answer_once:
                     break
                 body = b'{"id_slot": 0, "filename": "f", "n_saved": 3, "n_written": 30}'
@@ -257,10 +262,7 @@ async def _llama_like(close_after_stream: bool = True, drop_second: bool = False
         served = 0
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                               if line.lower().startswith(b"content-length:")), 0)
-                body = await reader.readexactly(length)
+                head, body = await read_request(reader)
                 requests.append(head.split(b"\r\n", 1)[0])
                 if drop_second and served:
                     break
