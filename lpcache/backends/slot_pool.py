@@ -36,7 +36,8 @@ class Claims(Protocol):
     """Slot leases across replicas (`fleet.replica.Fleet`, with REDIS_URL): a slot the pool hands out locally is claimed
     before use; another replica's live lease on it makes the pool choose again."""
 
-    async def claim(self, slot: Slot, want: Want | None = None, restore: str | None = None) -> bool: ...
+    async def claim(self, slot: Slot, want: Want | None = None, restore: str | None = None,
+                    writes: Content | None = None) -> bool: ...
 
     def released(self, slot: Slot) -> None: ...
 
@@ -345,15 +346,16 @@ class SlotPool:
             return False
         return True
 
-    async def take_idle(self, slot: Slot, force: bool = False) -> bool:
+    async def take_idle(self, slot: Slot, force: bool = False, writes: Content | None = None) -> bool:
         """Take this slot for lpcache's own work (an idle save) when it is idle and no request waits for a slot
-        (`force`: even then, for a save that cannot wait), and, with `claims`, no other replica holds it."""
+        (`force`: even then, for a save that cannot wait), and, with `claims`, no other replica holds it (the others
+        are told the cache it `writes`: their limits keep that file while it is written)."""
         if slot.taken or (self._waiters and not force):
             return False
         slot.busy = True
         if self.claims is not None:
             try:
-                ours = await self.claims.claim(slot)
+                ours = await self.claims.claim(slot, writes=writes)
             except BaseException:
                 self._unclaimed(slot)
                 raise

@@ -36,7 +36,7 @@ from redis.exceptions import RedisError
 from lpcache.backends.backend import Backend
 from lpcache.backends.placement import Want
 from lpcache.backends.slot_pool import SlotPool
-from lpcache.backends.slots import Slot
+from lpcache.backends.slots import Content, Slot
 from lpcache.cache.index import MetaIndex
 from lpcache.cache.sessions import SessionBook
 from lpcache.cache.speeds import SpeedBook
@@ -180,14 +180,16 @@ class Fleet(Publishing):
 
     # ---- slots ----
 
-    async def claim(self, slot: Slot, want: Want | None = None, restore: str | None = None) -> bool:
+    async def claim(self, slot: Slot, want: Want | None = None, restore: str | None = None,
+                    writes: Content | None = None) -> bool:
         """Take the slot's lease for this replica: True when it is this replica's now (or Redis is down: a local
         decision), False when another replica's request holds it (the slot is then marked `elsewhere`). The other
-        replicas are told what the request will leave in the slot and the file it restores first (`restore`):
-        neither file is deleted by their limits meanwhile (`files_in_use`)."""
+        replicas are told what the request will leave in the slot and the file it restores first (`restore`), or the
+        cache lpcache's own save of the slot `writes`: no such file is deleted by their limits meanwhile
+        (`files_in_use`)."""
         handed = self._handing.pop(slot, None)
         if handed is not None:
-            if self._take_over(slot, handed, want, restore):
+            if self._take_over(slot, handed, pending_doc(want, restore, slot, writes)):
                 return True
             self._give_up(slot, handed)
         releasing = self._releasing.get(slot.name)
@@ -199,7 +201,7 @@ class Fleet(Publishing):
         started = time.perf_counter()
         sent = time.monotonic()
         holder = Holder(self.replica, f"{next(self._requests):x}")
-        pending = pending_doc(want, restore, slot)
+        pending = pending_doc(want, restore, slot, writes)
         call = asyncio.ensure_future(self._claim_call(slot, holder, pending))
         try:
             answer = await asyncio.shield(call)
@@ -281,7 +283,7 @@ class Fleet(Publishing):
             held.keeper = asyncio.create_task(self.leases.keep(held.lease, held.stop, first=0.0),
                                               name=f"lease keeper {name}")
 
-    def _take_over(self, slot: Slot, held: _Held, want: Want | None, restore: str | None) -> bool:
+    def _take_over(self, slot: Slot, held: _Held, pending: dict[str, Any] | None) -> bool:
         """This replica's previous request gave the slot back a moment ago and its lease is still live: the new
         request holds it on (same lease, still renewed). The other replicas are told what it will leave there
         when that changed (off the request's way)."""
@@ -293,7 +295,7 @@ class Fleet(Publishing):
         self._held[slot] = held
         slot.elsewhere = None
         self.stats.handovers += 1
-        doc = orjson.dumps(pending_doc(want, restore, slot))
+        doc = orjson.dumps(pending)
         if doc != held.pending:
             held.pending = doc
             self.spawn(self._write_state(slot.name, held, b'{"token":%d,"replica":"%s","busy":true,"pending":%s}' % (

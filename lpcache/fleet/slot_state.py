@@ -84,10 +84,12 @@ def content_doc(content: Content | None) -> dict[str, Any] | None:
             "fingerprint": content.fingerprint}
 
 
-def pending_doc(want: Want | None, restore: str | None, slot: Slot | None = None) -> dict[str, Any] | None:
+def pending_doc(want: Want | None, restore: str | None, slot: Slot | None = None,
+                writes: Content | None = None) -> dict[str, Any] | None:
     """What a claim tells the other replicas of the request that will hold `slot`: what it will leave there (under
-    the name its save will write), its max_tokens (for their wait plans) and the file it restores first."""
-    pending = content_doc(want.pending(slot)) if want is not None else None
+    the name its save will write), its max_tokens (for their wait plans) and the file it restores first; for
+    lpcache's own save of an idle slot, the cache it `writes`."""
+    pending = content_doc(want.pending(slot) if want is not None else writes)
     if pending is not None and want is not None and want.answer_tokens:
         pending["answer_tokens"] = want.answer_tokens
     if pending is not None and restore is not None:

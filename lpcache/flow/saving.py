@@ -423,7 +423,7 @@ class Saver:
             return False
         if why == "idle" and held.session is None and self.save_later(backend, held):
             return False   # its file would only take another idle slot's place: saved when its slot is needed
-        if not await self.pool.take_idle(slot, force):
+        if not await self.pool.take_idle(slot, force, writes=held):
             return False
         if slot.content is not held:   # its claim told another replica used it meanwhile: not this cache any more
             self.pool.release(slot, True, used=False)

@@ -120,6 +120,25 @@ def test_a_claim_tells_the_other_replicas_the_file_its_save_will_write(
     assert saved is not None and announced == {saved}, (announced, saved)
 
 
+def test_an_idle_save_tells_the_other_replicas_the_file_it_writes(
+        start_backend: Any, start_proxy: Any, redis_server: RedisServer, tmp_path: Any) -> None:
+    """lpcache's own save of an idle slot (SAVE_IDLE_SECONDS; also at shutdown and before a router unloads) holds
+    the slot's lease like a request: the other replicas are told the file it writes, so their limits keep it."""
+    backend = start_backend(slots=1)
+    a, b = replicas(start_proxy, [backend], redis_server, tmp_path, save_policy="evict", save_idle_seconds=0.2)
+    assert a.post(chats.request(31, 400)).status_code == 200
+    a.wait_finished(1)
+    [slot_a] = a.pipeline.pool.slots
+    held = slot_a.content
+    assert held is not None and not held.saved
+    httpx.post(f"{backend.url}/mock/faults", json={"latency_ms": 1500, "paths": [f"/slots/{slot_a.id}"]})
+    slot = b.pipeline.pool.slots[0]
+    assert b.run(_wait_for(lambda: slot.elsewhere is not None and slot.pending is not None))
+    announced = b.pipeline.fleet.files_in_use()
+    assert a.run(_wait_for(lambda: slot_a.content is not None and slot_a.content.saved))
+    assert announced == {held.key} and held.key in a.pipeline.index, (announced, held.key)
+
+
 async def _wait_for(check: Any, timeout: float = 10.0) -> bool:
     import asyncio
     import time
