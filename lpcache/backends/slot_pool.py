@@ -46,6 +46,11 @@ class Claims(Protocol):
     def saving(self, slot: Slot) -> None: ...
 
 
+def reused(choice: Choice) -> int:
+    """Identity blocks of the prompt the choice gives without computing them: held, or restored."""
+    return max(choice.resident, choice.restore.shared if choice.restore is not None else 0)
+
+
 class SlotPool:
     """Hands out slots: at once when one is idle and nobody waits, else in arrival order as slots come free."""
 
@@ -192,6 +197,7 @@ class SlotPool:
             choice, planned = await self._acquire(want, total, plan)
             return self._traced(choice), planned
         deadline = time.monotonic() + total
+        corrected = False
         while True:
             choice, planned = await self._acquire(want, max(deadline - time.monotonic(), 0.0), plan)
             believed = choice.slot.content
@@ -206,9 +212,18 @@ class SlotPool:
                 if choice.slot.content is believed:
                     return self._traced(choice), planned
                 # the claim told what the slot really holds (another replica used it meanwhile): decide again
-                # what to do with this slot, now that it is ours
+                # what to do with this slot, now that it is ours ...
                 want.given_back(choice)
-                return self._traced(want.choose([choice.slot], self.load())), planned
+                again = want.choose([choice.slot], self.load())
+                if corrected or reused(again) >= reused(choice):
+                    return self._traced(again), planned
+                # ... or, when it was chosen for a cache it turns out not to hold (and cannot restore), once more
+                # among all slots, now that this one is known (kept a moment for this replica: `Claims.released`)
+                want.given_back(again)
+                corrected = True
+                choice.slot.taken_at = 0.0   # no hold: it served nothing
+                self.release(choice.slot, True, used=False)
+                continue
             want.given_back(choice)
             self._unclaimed(choice.slot)   # marked `elsewhere` by the claim: not chosen again meanwhile
             if refusals:

@@ -795,3 +795,57 @@ def test_a_server_without_a_ram_cache_loses_at_most_a_twentieth_of_what_the_file
             spared += 1.0
     assert len(probes) == 2 and probes[1] - probes[0] > RAM_RETRY_SECONDS
     assert lost <= spared / PROBE_PAYBACK and ram.miss_rate(now=float(probes[-1])) == 1.0
+
+
+class _Claims:
+    """Leases across replicas as `fleet.Fleet` grants them: a claim of `stale` tells what it really holds."""
+
+    def __init__(self, stale: Slot, holds: Content) -> None:
+        self.stale, self.holds = stale, holds
+        self.claimed: list[str] = []
+        self.given_back: list[str] = []
+
+    async def claim(self, slot: Slot, want: Want | None = None, restore: str | None = None,
+                    writes: Content | None = None) -> bool:
+        self.claimed.append(slot.name)
+        if slot is self.stale:
+            slot.content = self.holds
+        return True
+
+    def released(self, slot: Slot) -> None:
+        self.given_back.append(slot.name)
+
+    def valid(self, slot: Slot) -> bool:
+        return True
+
+    def saving(self, slot: Slot) -> None:
+        pass
+
+
+async def test_a_slot_claimed_for_a_cache_it_does_not_hold_is_given_back_for_a_slot_that_can_restore_it() -> None:
+    """With REDIS_URL: this replica believed server B's slot holds the prompt (it missed another replica's use of
+    it); the claim tells otherwise, and B cannot read the prompt's file. The slot goes back, and server A's, which
+    can restore the file, is taken instead of computing the whole prompt on B."""
+    p = prompt(text(10))
+    cand = candidate(8, backend=A)
+    reader = slot(0, 0, url=A)
+    believed = slot(1, 0, url=B, content=content_of(p))
+    pool = SlotPool([reader, believed])
+    claims = _Claims(believed, content_of(prompt(text(10, tag="other"))))
+    pool.claims = claims
+    choice = await pool.acquire(Want(p, lambda: cand))
+    assert choice.slot is reader and choice.restore is cand
+    assert claims.claimed == [believed.name, reader.name] and claims.given_back == [believed.name]
+    assert not believed.busy and believed.content == content_of(prompt(text(10, tag="other")))
+
+
+async def test_a_claim_that_corrects_a_slot_to_an_equal_use_keeps_it() -> None:
+    """The claim's truth changes nothing the request gains (it holds another prompt, as believed of the other
+    slot too): the slot is kept, with one claim."""
+    p = prompt(text(10))
+    only = slot(0, 0, url=A, content=content_of(prompt(text(10, tag="x"))))
+    pool = SlotPool([only])
+    claims = _Claims(only, content_of(prompt(text(10, tag="y"))))
+    pool.claims = claims
+    choice = await pool.acquire(Want(p, lambda: None))
+    assert choice.slot is only and claims.claimed == [only.name] and claims.given_back == []
