@@ -24,7 +24,13 @@ the added p50 and p90 of both and their difference, against the target for Redis
 single process), with the Redis round trips and the time spent claiming slot leases per request (that replica's
 /metrics).
 
-Run: python bench/overhead.py [--n 500] [--runs 3] [--warmup 50] [--slots 4] [--tmp-dir DIR] [--redis] [--json]
+With `--tracing`, another lpcache runs beside the first with OpenTelemetry tracing on
+(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT set to an OTLP/HTTP receiver in this process that decodes every batch,
+`lpcache.workloads.otlp_receiver`), in front of a stand-in of its own, in turn with the others: the added p50 and p90
+of tracing over the single process (TRACING=off), and the spans received.
+
+Run: python bench/overhead.py [--n 500] [--runs 3] [--warmup 50] [--slots 4] [--tmp-dir DIR] [--redis] [--tracing]
+     [--json]
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ import orjson
 
 from lpcache.mock_llama import MockConfig, start_mock
 from lpcache.workloads.harness import LpcacheProcess, RedisServer, remove_tree, story
+from lpcache.workloads.otlp_receiver import OtlpReceiver
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import machine, machine_line, median, percentile, redis_commands, table  # noqa: E402
@@ -169,9 +176,10 @@ def summarize(times: dict[str, list[float]]) -> dict[str, float]:
             prefix = "added" if way == "proxy" else f"{way}_added"
             for q in (50, 90, 99):
                 out[f"{prefix}_p{q}"] = out[f"{way}_p{q}"] - out[f"direct_p{q}"]
-    if "redis" in times:
-        for q in (50, 90):
-            out[f"redis_over_single_p{q}"] = out[f"redis_added_p{q}"] - out[f"added_p{q}"]
+    for lane in ("redis", "tracing"):
+        if lane in times:
+            for q in (50, 90):
+                out[f"{lane}_over_single_p{q}"] = out[f"{lane}_added_p{q}"] - out[f"added_p{q}"]
     return out
 
 
@@ -199,11 +207,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--redis", action="store_true",
                         help="also through a second lpcache with REDIS_URL set (one replica, its own stand-in and "
                              "redis-server): added latency with Redis against the single process")
+    parser.add_argument("--tracing", action="store_true",
+                        help="also through an lpcache with OpenTelemetry tracing on, exporting to an OTLP/HTTP "
+                             "receiver in this process: added latency with tracing against the single process")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     args = parser.parse_args(argv)
 
     tmp = tempfile.mkdtemp(prefix="lpcache-bench-overhead-", dir=args.tmp_dir)
-    lanes = ["proxy", "redis"] if args.redis else ["proxy"]
+    lanes = ["proxy", *(["redis"] if args.redis else []), *(["tracing"] if args.tracing else [])]
     folders = {lane: (os.path.join(tmp, f"slots-{lane}"), os.path.join(tmp, f"meta-{lane}")) for lane in lanes}
     for save_dir, _ in folders.values():
         os.makedirs(save_dir)
@@ -212,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     mocks: dict[str, Any] = {}
     proxies: dict[str, LpcacheProcess] = {}
     redis: RedisServer | None = None
+    receiver = OtlpReceiver().__enter__() if args.tracing else None
     log_texts: dict[str, str] = {}
     clients: list[Client] = []
     fleet: dict[str, float | None] = {}
@@ -221,10 +233,13 @@ def main(argv: list[str] | None = None) -> int:
         mocks["direct"] = start_mock(MockConfig(slots=args.slots))
         settings: dict[str, dict[str, str]] = {lane: {
             "BACKENDS": orjson.dumps([{"url": mocks[lane].url, "slot_save_path": folders[lane][0]}]).decode(),
-            "META_DIR": folders[lane][1], "LOG_LEVEL": "WARNING"} for lane in lanes}
+            "META_DIR": folders[lane][1], "LOG_LEVEL": "WARNING",
+            "TRACING": "on" if lane == "tracing" else "off"} for lane in lanes}
         if args.redis:
             redis = RedisServer()
             settings["redis"] |= {"REDIS_URL": redis.url, "REPLICA_ID": "bench"}
+        if receiver is not None:
+            settings["tracing"] |= {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.endpoint}
         for lane in lanes:
             proxies[lane] = LpcacheProcess(settings[lane])
         ways = {"direct": Client(mocks["direct"].port), **{lane: Client(proxies[lane].port) for lane in lanes}}
@@ -274,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
             mock.stop()
         if redis is not None:
             redis.remove()
+        if receiver is not None:
+            receiver.__exit__()
         remove_tree(tmp)
 
     results = {}
@@ -283,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         fig["added_p50_runs"] = [round(r["added_p50"], 3) for r in per_run]
         fig["target_added_p50"] = kind.target
         fig["met"] = None if kind.target is None else fig["added_p50"] <= kind.target
+        if args.tracing:
+            fig["tracing_over_single_p50_runs"] = [round(r["tracing_over_single_p50"], 3) for r in per_run]
         if args.redis:
             fig["redis_added_p50_runs"] = [round(r["redis_added_p50"], 3) for r in per_run]
             fig["redis_over_single_p50_runs"] = [round(r["redis_over_single_p50"], 3) for r in per_run]
@@ -297,7 +316,9 @@ def main(argv: list[str] | None = None) -> int:
                 value = fleet.get(key)
                 per_request[key] = None if value is None else value / requests
     doc = {"benchmark": "overhead", "n": args.n, "runs": args.runs, "warmup": args.warmup, "slots": args.slots,
-           "redis": args.redis, "tmp_dir": tmp, "machine": info, "seconds": round(time.monotonic() - started, 1),
+           "redis": args.redis, "tracing": args.tracing,
+           "spans_received": None if receiver is None else len(receiver.spans),
+           "tmp_dir": tmp, "machine": info, "seconds": round(time.monotonic() - started, 1),
            "results": results, "checks": checks, "fleet": fleet, "fleet_per_request": per_request}
     if args.json:
         print(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode())
@@ -356,6 +377,17 @@ def print_tables(doc: dict[str, Any], args: argparse.Namespace) -> None:
                   + ("-" if claim is None else f"{claim * 1000:.3f} ms a request")
                   + f", claims refused {fleet['claims_refused']}, local {fleet['claims_local']}, "
                   f"lpcache_redis_up {fleet['redis_up']}")
+    if doc["tracing"]:
+        print("\nwith OpenTelemetry tracing on (OTLP/HTTP to a receiver in the benchmark's process), against the "
+              "single process (tracing off); added = via lpcache - direct\n")
+        rows = [[k.name, results[k.name]["added_p50"], results[k.name]["tracing_added_p50"],
+                 results[k.name]["tracing_over_single_p50"], results[k.name]["added_p90"],
+                 results[k.name]["tracing_added_p90"], results[k.name]["tracing_over_single_p90"]] for k in KINDS]
+        print(table(["request", "added p50", "added p50 tracing", "tracing - off p50", "added p90",
+                     "added p90 tracing", "tracing - off p90"], rows))
+        print("\ntracing - off p50 per run (ms): " + "; ".join(
+            f"{k.name} {', '.join(f'{x:.3f}' for x in results[k.name]['tracing_over_single_p50_runs'])}"
+            for k in KINDS) + f"; spans received: {doc['spans_received']:,}")
     print("checks: " + ", ".join(f"{k}={v}" for k, v in doc["checks"].items()))
     print(f"slot-save and meta folders under {os.path.dirname(doc['tmp_dir'])}")
     print(f"took {doc['seconds']} s")

@@ -130,6 +130,7 @@ def load_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] 
         max_gib=values["MAX_GIB"],
         models_max=values["MODELS_MAX"],
         orphan_grace_seconds=values["ORPHAN_GRACE_SECONDS"],
+        tracing=values["TRACING"],
         meta_max_gib=values["META_MAX_GIB"],
         slot_affinity_wait=values["SLOT_AFFINITY_WAIT"],
         client_slot_actions=values["CLIENT_SLOT_ACTIONS"],

@@ -240,6 +240,13 @@ def _gib_or_auto(raw: str) -> float | None:
     return _float(0.0)(raw)
 
 
+def _tracing(raw: str) -> str:
+    value = raw.strip().lower()
+    if value not in ("auto", "on", "off"):
+        raise ValueError(f"{raw!r} is not one of auto, on, off")
+    return value
+
+
 def _save_policy(raw: str) -> str:
     value = raw.strip().lower()
     if value not in SAVE_POLICIES:
@@ -408,6 +415,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("MODELS_MAX", "--models-max", _int(0), "4",
            "The --models-max of a llama-server router (0 = no limit): the slots of the model it is about to "
            "unload are saved first. Per backend: \"models_max\" in BACKENDS.", metavar="N"),
+    Option("TRACING", "--tracing", _tracing, "auto",
+           "OpenTelemetry traces of every request, a span per step (docs/tracing.md). auto: on when the standard "
+           "OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_TRACES_EXPORTER is set (and "
+           "OTEL_SDK_DISABLED is not true); on: always (OTLP over HTTP to the OTEL_EXPORTER_OTLP_* endpoint, "
+           "http://localhost:4318 by default); off: never.", metavar="MODE"),
     Option("PLUGINS", "--plugins", _plugin_specs, None,
            'JSON array of plugin specs [{"name": "...", "params": {...}}]. Built-ins: keyword, qwen_guard, '
            "result_cache, chain (prefilters, run in list order; [] = none), request_log, dashboard (at most one each); "
@@ -469,6 +481,7 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      ("REDIS_URL", "REPLICA_ID", "SLOT_LEASE_MS", "RING_FILES")),
     ("Plugins", "Prefilters, the request log and the dashboard (see [plugins.md](plugins.md)).",
      ("PLUGINS",)),
+    ("Tracing", "OpenTelemetry traces of each request's steps (see [tracing.md](tracing.md)).", ("TRACING",)),
     ("Request log", "The built-in `request_log` plugin, switched on without writing a `PLUGINS` spec.",
      ("REQUEST_LOG", "REQUEST_LOG_PATH", "REQUEST_LOG_MAX_BYTES", "REQUEST_LOG_KEEP", "REQUEST_LOG_FIELDS")),
     ("Legacy prefilter variables", "Read only when `PLUGINS` is unset: they become a `keyword` and a "

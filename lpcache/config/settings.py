@@ -67,6 +67,7 @@ class Settings:
     max_gib: float = 0.0
     models_max: int = 4
     orphan_grace_seconds: float = 900.0    # files no meta file names are deleted after this (`cache.orphans`)
+    tracing: str = "auto"                  # OpenTelemetry traces: auto (the OTEL_* variables say), on, off
     meta_max_gib: float | None = None      # None: auto (a share of the slot-save folder's disk, see `app`)
     slot_affinity_wait: float = 30.0
     client_slot_actions: bool = False

@@ -37,6 +37,7 @@ from lpcache.cache.orphans import OrphanSweeper
 from lpcache.cache.session_ids import MAX_CHARS, read_session_id
 from lpcache.config import Settings, describe, shown_url
 from lpcache.config.version import __version__
+from lpcache.edge import tracing
 from lpcache.edge.browser_login import BrowserLogin
 from lpcache.edge.http import HeaderLimits
 from lpcache.edge.metrics import Metrics
@@ -88,6 +89,7 @@ def new_record(request: Request) -> RequestRecord:
         client_ip=request.client.host if request.client else None,
         user_agent=request.headers.get("user-agent"),
         bytes_in=int(length) if length and length.isdigit() else None,
+        traceparent=request.headers.get("traceparent"), tracestate=request.headers.get("tracestate"),
     )
 
 
@@ -342,9 +344,11 @@ def create_app(settings: Settings, plugins: Loaded | None = None) -> Starlette:
     plugins = build_plugins(settings.plugins) if plugins is None else plugins
     metrics = Metrics(lambda: getattr(app.state, "pipeline", None), lambda: getattr(app.state, "disk", None))
     excluded = {path for r in plugins.routes for path in r.excluded_paths()}
+    traces = tracing.from_settings(settings.tracing)
 
     def observers() -> list[Observer]:
-        chosen: list[Observer] = [log_record, metrics.observe, *(o.finished for o in plugins.observers)]
+        chosen: list[Observer] = [*([traces.observe] if traces is not None else []), log_record, metrics.observe,
+                                  *(o.finished for o in plugins.observers)]
         if not excluded:
             return chosen
         def skipping(observer: Observer) -> Observer:
@@ -405,6 +409,8 @@ def create_app(settings: Settings, plugins: Loaded | None = None) -> Starlette:
                     log.exception("plugin_stop_failed plugin=%s", plugin.name)
             await index.close()
             await session.close()
+            if traces is not None:
+                await asyncio.to_thread(traces.shutdown)
             log.info("app_stop")
 
     app = Starlette(

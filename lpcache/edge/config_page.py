@@ -93,6 +93,7 @@ _KINDS = {
     "_backends": "JSON array",
     "_fields": "field names",
     "_save_policy": " or ".join(f"`{p}`" for p in SAVE_POLICIES),
+    "_tracing": "`auto`, `on` or `off`",
     "_gib_or_auto": "GiB (at least 0), or `auto`",
     "_words_or_auto": "integer ≥ 0, or `auto`",
 }

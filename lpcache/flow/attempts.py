@@ -34,7 +34,7 @@ from lpcache.cache.sessions import route_name
 from lpcache.errors import BackendError, BackendUnreachable, ProxyError
 from lpcache.flow.coalesce import Coalescer, Group, aggregate_sse
 from lpcache.flow.plugin_api import MAX_ANSWER_BYTES, Answer, ChatRequest, Prefilter
-from lpcache.flow.record import RequestRecord
+from lpcache.flow.record import RequestRecord, now_ns
 from lpcache.flow.relay import Headers, session_header
 from lpcache.flow.saving import Saver
 from lpcache.flow.slot_fill import SlotFiller
@@ -90,6 +90,8 @@ class Attempts:
         self.lease: Lease | None = None     # the current try's slot, until given back or handed to the save
         self.upstream: Upstream | None = None
         self.sent = False                   # the current try's request went to the backend
+        self.sent_ns = 0                    # ... when (wall clock, ns), and when its answer was read whole
+        self.answered_ns: int | None = None
         self.group: Group | None = None     # when coalescing: the followers waiting for this answer
         self.tail: bytes | None = None      # how a broken stream ended for the client (`ended_with`)
         self.path = CHAT_PATH               # llama-server's route for the request (`apis.Call.upstream_path`)
@@ -162,11 +164,14 @@ class Attempts:
         so a request that wants this slot may wait for it."""
         if self.choice is not None:
             self.choice.slot.phase = "save"
+        self.answered_ns = now_ns()
 
     def finish(self, delivered: bool, complete: bool | None = None) -> None:
         """The answer is over (delivered whole, or the client left, or it broke): save, release, tell observers.
         `complete`: the backend's answer was read whole (for coalesced followers), even if the client left."""
         complete = delivered if complete is None else complete
+        if self.sent:
+            self.note_call()
         self.end_group(None if complete else {"error": {
             "message": f"the shared answer did not complete ({self.record.reason or 'failed'})",
             "type": "backend_error", "code": 502}})
@@ -190,6 +195,21 @@ class Attempts:
         finally:   # the save gives the slot back, whatever happened above
             self.p.spawn(self.p.saver.after(lease, backend, self.prompt, self.big, self.record, self.want,
                                             prefilled, held))
+
+    def note_call(self) -> None:
+        """The call to llama-server as steps: the call, and within it the prefill and the generation as the server
+        timed them (`timings`), laid end to end up to the moment the answer was read whole (what comes before the
+        prefill is the server's own queue, a RAM cache's load, the request's way)."""
+        record, start = self.record, self.sent_ns
+        end = self.answered_ns or now_ns()
+        record.step("llama_server", start, end, backend=record.backend, slot=record.slot, cache_n=record.cache_n,
+                    prompt_n=record.prompt_n, completion_tokens=record.completion_tokens)
+        generated = max(end - round((record.gen_ms or 0.0) * 1e6), start)
+        if record.prefill_ms is not None:
+            record.step("prefill", max(generated - round(record.prefill_ms * 1e6), start), generated,
+                        cache_n=record.cache_n, prompt_n=record.prompt_n)
+        if record.gen_ms is not None:
+            record.step("generation", generated, end, completion_tokens=record.completion_tokens)
 
     def held_blocks(self, choice: Choice) -> int:
         """Identity blocks of the prompt the slot held before the request was sent."""
@@ -228,11 +248,18 @@ class Attempts:
 
     async def _once(self) -> Upstream:
         self.sent = False
+        waited_from = now_ns()   # checking what the slots hold is part of the way to one (`slot_wait`)
         await self.p.routers.model_slots(self.prompt.model)
         await self.p.truth.check()
         while True:
             choice = await self.p.filler.take_slot(self.prompt, self.record, self.allowed(), self.want,
                                                    answer_tokens(self.body))
+            self.record.step("slot_wait", waited_from, route=self.record.route, backend=self.record.backend,
+                             slot=choice.slot.id, shared_blocks=max(choice.resident, choice.restore.shared if
+                                                                    choice.restore is not None else 0),
+                             restore_file=choice.restore.entry.key if choice.restore is not None else None,
+                             restore_skipped=choice.skipped, prompt_blocks=len(self.prompt.exact))
+            waited_from = now_ns()
             backend = self.p.backends[choice.slot.backend]
             # Claimed before anything awaits: when the backend is half-open, this try is its one probe, and no
             # other passes `allowed` meanwhile.
@@ -247,10 +274,13 @@ class Attempts:
         self.lease, self.choice, self.backend = lease, choice, backend
         async with lease:
             try:
+                filled_from = now_ns()
                 await self.p.filler.prepare(choice, backend, self.prompt, self.want, self.record)
+                self.record.step("slot_fill", filled_from, restored=self.record.restored,
+                                 saved_previous=self.record.swap_saved)
                 if self.want is None and not self.record.restored:
                     self.record.cache_hit = choice.resident > 0
-                self.sent = True
+                self.sent, self.sent_ns, self.answered_ns = True, now_ns(), None
                 choice.slot.phase, choice.slot.sent_at = "generate", time.monotonic()
                 backend.launched_at = choice.slot.sent_at
                 upstream = await backend.client.chat(self.body, choice.slot.id, self.path, self.client_auth)

@@ -8,7 +8,7 @@ from collections.abc import Coroutine, Sequence
 
 from lpcache.errors import ProxyError
 from lpcache.flow.plugin_api import ChatRequest, Prefilter, Reject, Serve
-from lpcache.flow.record import RequestRecord
+from lpcache.flow.record import RequestRecord, now_ns
 
 log = logging.getLogger("lpcache.pipeline")
 
@@ -16,11 +16,15 @@ log = logging.getLogger("lpcache.pipeline")
 async def run(prefilters: Sequence[Prefilter], view: ChatRequest, record: RequestRecord) -> Serve | None:
     """The prefilters in order: a Reject raises the client's error, a Serve is returned, else None."""
     for plugin in prefilters:
+        started = now_ns()
         try:
             verdict = await plugin.check(view)
         except Exception:
+            record.step("prefilter", started, plugin=plugin.name, verdict="failed")
             log.exception("prefilter_failed plugin=%s: the request goes on", plugin.name)
             continue
+        record.step("prefilter", started, plugin=plugin.name, verdict=type(verdict).__name__.lower() if verdict
+                    else "pass")
         if isinstance(verdict, Reject):
             record.reason, record.prefilter = "prefilter_reject", f"{plugin.name}:reject"
             log.info("prefilter_reject plugin=%s key=%s", plugin.name, view.key[:16])

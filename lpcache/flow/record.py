@@ -16,6 +16,21 @@ from lpcache.backends.admission import Ticket
 log = logging.getLogger("lpcache.request")
 
 
+@dataclass(slots=True)
+class Step:
+    """One step lpcache took for a request (waiting for its slot, a save, a restore, the call to llama-server), as
+    wall-clock nanoseconds: the dashboard shows them and, with tracing on, each becomes a span (`edge.tracing`)."""
+
+    name: str
+    start_ns: int
+    end_ns: int
+    attributes: dict[str, Any] = field(default_factory=dict)
+
+
+def now_ns() -> int:
+    return time.time_ns()
+
+
 @dataclass
 class RequestRecord:
     method: str = "POST"
@@ -80,6 +95,14 @@ class RequestRecord:
     missed_kind: str | None = None     # it computed again what an earlier request had (`worth.Worth.came_back`):
     missed_tokens: int | None = None   # ... why no file spared it (threshold, limit, not_worth), how many tokens,
     missed_seconds: float | None = None  # ... and their prefill's seconds at the backend's speed
+    steps: list[Step] = field(default_factory=list)   # what lpcache did for it, and when (`step`)
+    traceparent: str | None = None     # the client's W3C trace context, when it sent one (`edge.tracing`) ...
+    tracestate: str | None = None
+    trace_id: str | None = None        # ... and the trace its spans went to (32 hex), once exported
+
+    def step(self, name: str, start_ns: int, end_ns: int | None = None, **attributes: Any) -> None:
+        """Note a step of the request, from `start_ns` until `end_ns` (now when None)."""
+        self.steps.append(Step(name, start_ns, time.time_ns() if end_ns is None else end_ns, attributes))
 
     def take_usage(self, doc: dict[str, Any]) -> None:
         """Copy the backend's `usage` and `timings` from a completion (or the last SSE chunk). A Responses answer
@@ -131,10 +154,10 @@ def log_record(record: RequestRecord) -> None:
         return
     log.info(
         "request_done status=%s stream=%s words=%s big=%s slot=%s restored=%s cache_n=%s prompt_n=%s ttft_ms=%s "
-        "saved=%s reason=%s ms=%.1f key=%s route=%s session=%s",
+        "saved=%s reason=%s ms=%.1f key=%s route=%s session=%s%s",
         record.status, record.stream, record.n_words, record.big,
         None if record.slot is None else f"{record.backend}#{record.slot}", record.restored, record.cache_n,
         record.prompt_n, None if record.ttft_ms is None else round(record.ttft_ms, 1), record.saved,
         record.reason or "-", record.elapsed_ms or 0.0, (record.key or "-")[:16], record.route or "-",
-        (record.session or "-")[:24],
+        (record.session or "-")[:24], f" trace={record.trace_id}" if record.trace_id else "",
     )

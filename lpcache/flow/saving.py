@@ -34,7 +34,7 @@ from lpcache.cache.speeds import SpeedBook
 from lpcache.cache.worth import Seen, Worth
 from lpcache.config import Settings
 from lpcache.errors import SharedStoreDown
-from lpcache.flow.record import RequestRecord
+from lpcache.flow.record import RequestRecord, now_ns
 
 log = logging.getLogger("lpcache.saving")
 
@@ -298,6 +298,8 @@ class Saver:
 
     def record_save(self, backend: Backend, content: Content, result: SlotAction, record: RequestRecord) -> None:
         record.saved, record.save_ms, record.save_file = result.ok, result.ms, content.key
+        record.step("save", now_ns() - round(result.ms * 1e6), ok=result.ok, file=content.key,
+                    tokens=result.count("n_saved"), bytes=result.count("n_written"))
         record.save_bytes = result.count("n_written")
         if result.ok:
             speeds = self.speeds.of(backend.index, RouterModels.served(backend, content.model))
@@ -372,6 +374,8 @@ class Saver:
         n_written = result.count("n_written")
         if record is not None:
             record.swap_saved, record.swap_save_ms, record.swap_save_bytes = result.ok, result.ms, n_written
+            record.step("save_previous", now_ns() - round(result.ms * 1e6), ok=result.ok, file=held.key,
+                        tokens=result.count("n_saved"), bytes=n_written)
         else:
             b = self.background
             b.saves_ok, b.saves_failed = b.saves_ok + result.ok, b.saves_failed + (not result.ok)

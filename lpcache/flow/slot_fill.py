@@ -49,7 +49,7 @@ from lpcache.cache.speeds import SpeedBook, Speeds
 from lpcache.config import Settings
 from lpcache.errors import QueueFull, SlotsBusy
 from lpcache.flow import cache_outcome
-from lpcache.flow.record import RequestRecord
+from lpcache.flow.record import RequestRecord, now_ns
 from lpcache.flow.saving import Saver, cache_file, resavable, slot_files_off
 from lpcache.flow.session_seed import SessionSeeds
 
@@ -498,8 +498,8 @@ class SlotFiller:
         """A restore's answer, in the record and (when it worked) in the backend's restore speed."""
         slot_files_off(backend, result)
         record.restored, record.restore_ms = result.ok, result.ms
-        record.restore_bytes = result.count("n_read")
-        record.restored_tokens = result.count("n_restored")
+        record.restore_bytes, record.restored_tokens = result.count("n_read"), result.count("n_restored")
+        record.step("restore", now_ns() - round(result.ms * 1e6), ok=result.ok, tokens=record.restored_tokens)
         if result.ok:
             speeds = self.speeds.of(backend.index, RouterModels.served(backend, model))
             speeds.restore.add(result.work_ms, record.restored_tokens or 0)

@@ -361,7 +361,18 @@ def _recent_entry(record: Any, started: float) -> dict[str, Any]:
         "prompt_tokens": _int(g("prompt_tokens")), "cached_tokens": cached,
         "completion_tokens": _int(g("completion_tokens")),
         "ms": None if elapsed is None else round(elapsed, 1), "ttft_ms": None if ttft is None else round(ttft, 1),
+        "trace_id": g("trace_id"), "steps": _steps(g("steps"), g("started")),
     }
+
+
+def _steps(steps: Any, started: Any) -> list[dict[str, Any]]:
+    """A request's steps (`RequestRecord.steps`) for its row's timings: name, start from the request's, length."""
+    if not isinstance(steps, list) or not isinstance(started, int | float):
+        return []
+    origin = started * 1e9
+    return [{"name": s.name, "at_ms": round((s.start_ns - origin) / 1e6, 1),
+             "ms": round((s.end_ns - s.start_ns) / 1e6, 1)}
+            for s in sorted(steps, key=lambda s: (s.start_ns, -s.end_ns))]
 
 
 def _ranged(params: Mapping[str, Any], name: str, default: int, low: int, high: int) -> int:

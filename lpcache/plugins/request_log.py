@@ -91,10 +91,12 @@ _GETTERS: dict[str, Callable[[RequestRecord], Any]] = {
     # ... its priority class and how long it waited for its slot (`backends.admission`).
     "lpcache-priority": lambda r: CLASSES[r.ticket.priority],
     "lpcache-queue-ms": lambda r: r.queue_ms,
+    # ... and the OpenTelemetry trace its spans went to (TRACING; the client's when it sent a traceparent).
+    "lpcache-trace-id": lambda r: r.trace_id,
 }
 
 _EXTRA = ("lpcache-api", "lpcache-route", "lpcache-session-source", "lpcache-seeded", "lpcache-priority",
-          "lpcache-queue-ms")
+          "lpcache-queue-ms", "lpcache-trace-id")
 FIELDS: tuple[str, ...] = tuple(name for name in _GETTERS if name not in _EXTRA)
 KNOWN: tuple[str, ...] = tuple(_GETTERS)
 _BY_LOWER = {name.lower(): name for name in KNOWN}

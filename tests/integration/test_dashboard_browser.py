@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from starlette.applications import Starlette
 
-from lpcache.flow.record import RequestRecord
+from lpcache.flow.record import RequestRecord, Step
 from lpcache.plugins.dashboard import Dashboard
 from lpcache.workloads.harness import REPO, ServerThread
 
@@ -100,7 +100,8 @@ def test_dashboard_in_headless_chromium(tmp_path: Path) -> None:
             return str(driver.find_element(By.ID, element_id).text)
 
         def rows() -> int:
-            return int(driver.execute_script("return document.querySelectorAll('#recent-body tr').length"))
+            return int(driver.execute_script(
+                "return document.querySelectorAll('#recent-body tr:not(.steps)').length"))
 
         driver.get_log("performance")   # drop what the browser did before the page (its new-tab page)
         driver.get(server.url + "/dashboard")
@@ -124,6 +125,22 @@ def test_dashboard_in_headless_chromium(tmp_path: Path) -> None:
         plugin.finished(RequestRecord(path="/v1/models", method="GET", status=200, started=time.time()))
         total, last_30s = total + 1, last_30s + 1
         wait.until(lambda d: text("kpi-requests") == str(total))
+        # A request's time opens its steps (from its record; the trace id when tracing is on).
+        started = time.time()
+        t0 = round(started * 1e9)
+        plugin.finished(RequestRecord(path="/v1/chat/completions", status=200, started=started, elapsed_ms=900.0,
+                                      trace_id="4bf92f3577b34da6a3ce929d0e0e4736", steps=[
+                                          Step("slot_wait", t0 + 1_000_000, t0 + 6_000_000),
+                                          Step("llama_server", t0 + 10_000_000, t0 + 880_000_000)]))
+        total, last_30s = total + 1, last_30s + 1
+        wait.until(lambda d: text("kpi-requests") == str(total))
+        toggle = driver.find_element(By.CSS_SELECTOR, "#recent-body tr:first-child button.steps-toggle")
+        assert toggle.text == "900" and toggle.get_attribute("aria-expanded") == "false"
+        toggle.click()
+        wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "#recent-body tr.steps").is_displayed())
+        shown = driver.find_element(By.CSS_SELECTOR, "#recent-body tr.steps").text
+        assert "slot_wait +1 ms: 5 ms" in shown and "llama_server +10 ms: 870 ms" in shown, shown
+        assert "trace 4bf92f3577b34da6a3ce929d0e0e4736" in shown
 
         # The time filter scopes the cards and the recent table.
         Select(driver.find_element(By.ID, "range")).select_by_visible_text("30 seconds")

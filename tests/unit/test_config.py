@@ -69,6 +69,7 @@ VALID = {
     "SAVE_IDLE_SECONDS": "2.5",
     "MAX_FILES": "3",
     "ORPHAN_GRACE_SECONDS": "120",
+    "TRACING": "off",
     "MAX_GIB": "1.5",
     "MODELS_MAX": "2",
     "META_MAX_GIB": "2.5",
@@ -528,6 +529,9 @@ def test_save_policy_and_limits() -> None:
     d = load()
     assert (d.save_policy, d.save_idle_seconds, d.max_files, d.max_gib, d.models_max) == ("eager", 0.0, 0, 0.0, 4)
     assert (s.orphan_grace_seconds, d.orphan_grace_seconds) == (120.0, 900.0)
+    assert (load(TRACING=" On ").tracing, d.tracing) == ("on", "auto")
+    with pytest.raises(ConfigError, match="TRACING"):
+        load(TRACING="sometimes")
     assert load(["--save-policy", "evict", "--max-files", "2"]).max_files == 2
 
 

@@ -1,0 +1,167 @@
+"""OpenTelemetry traces: one span per request, and within it a span for each step lpcache took for it.
+
+The steps are the record's (`RequestRecord.steps`: the wait for a slot, the save of what it held, the restore, the
+call to llama-server with its prefill and generation as the server timed them, the save after the answer, the
+prefilters), so a trace says what the dashboard and the request log say. The spans are made once the request is
+over, from those times, and exported in batches by the SDK's own thread, off the event loop. A request that came
+with a W3C `traceparent` joins the client's trace; the trace's id goes to the record (`lpcache-trace-id` in the
+request log).
+
+Off unless `TRACING=on`, or `TRACING=auto` (the default) and the standard OpenTelemetry variables ask for traces
+(`OTEL_EXPORTER_OTLP_ENDPOINT`, `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, or `OTEL_TRACES_EXPORTER` naming an exporter);
+`OTEL_SDK_DISABLED=true` or `OTEL_TRACES_EXPORTER=none` keeps it off. Off, the SDK is never imported. The exporter
+is OTLP over HTTP (protobuf), configured by the usual `OTEL_EXPORTER_OTLP_*` variables, or `console`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from lpcache.backends.admission import CLASSES
+from lpcache.config.version import __version__
+from lpcache.flow.record import RequestRecord, Step
+
+log = logging.getLogger("lpcache.tracing")
+
+ASKING = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_TRACES_EXPORTER")
+OPERATIONS = {"chat": "chat", "responses": "chat", "messages": "chat", "completions": "text_completion",
+              "infill": "text_completion"}
+
+
+def wanted(setting: str, env: Mapping[str, str]) -> bool:
+    """Whether traces are on: `TRACING` (on, off, auto) and the standard variables (see the module's docstring)."""
+    if setting == "off" or env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return False
+    exporters = [e.strip().lower() for e in env.get("OTEL_TRACES_EXPORTER", "").split(",") if e.strip()]
+    if exporters == ["none"]:
+        return False
+    return setting == "on" or any(env.get(name, "").strip() for name in ASKING)
+
+
+class Tracing:
+    """The tracer provider of this process (its own: lpcache sets no global one) and the observer that turns a
+    finished request's record into spans."""
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        attributes: dict[str, Any] = {"service.version": __version__}
+        if not env.get("OTEL_SERVICE_NAME") and "service.name=" not in env.get("OTEL_RESOURCE_ATTRIBUTES", ""):
+            attributes["service.name"] = "lpcache"
+        self.provider = TracerProvider(resource=Resource.create(attributes))
+        names = [e.strip().lower() for e in env.get("OTEL_TRACES_EXPORTER", "otlp").split(",") if e.strip()]
+        exporters: list[SpanExporter] = []
+        for name in names or ["otlp"]:
+            if name == "otlp":
+                from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+                protocol = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", env.get("OTEL_EXPORTER_OTLP_PROTOCOL", ""))
+                if protocol and protocol != "http/protobuf":
+                    log.warning("tracing_protocol protocol=%s: lpcache exports OTLP over HTTP (http/protobuf) only; "
+                                "point OTEL_EXPORTER_OTLP_ENDPOINT at the collector's HTTP port (4318)", protocol)
+                exporters.append(OTLPSpanExporter())
+            elif name == "console":
+                exporters.append(ConsoleSpanExporter())
+            elif name != "none":
+                log.warning("tracing_exporter exporter=%s: not one lpcache has (otlp, console); ignored", name)
+        for exporter in exporters:
+            self.provider.add_span_processor(BatchSpanProcessor(exporter))
+        self.tracer = self.provider.get_tracer("lpcache", __version__)
+        self.propagator = TraceContextTextMapPropagator()
+        log.info("tracing_on exporters=%s", ",".join(names or ["otlp"]))
+
+    def observe(self, record: RequestRecord) -> None:
+        """Export the request's spans (an observer: called once the request is over, saves included)."""
+        from opentelemetry import trace
+        from opentelemetry.trace import SpanKind, Status, StatusCode
+
+        parent = None
+        if record.traceparent:
+            carrier = {"traceparent": record.traceparent}
+            if record.tracestate:
+                carrier["tracestate"] = record.tracestate
+            parent = self.propagator.extract(carrier)
+        start = round(record.started * 1e9)
+        end = start + round((record.elapsed_ms or 0.0) * 1e6)
+        root = self.tracer.start_span(f"{record.method} {record.path.split('?', 1)[0]}", context=parent,
+                                      kind=SpanKind.SERVER, start_time=start,
+                                      attributes=_attributes(request_attributes(record)))
+        if record.status is not None and record.status >= 500:
+            root.set_status(Status(StatusCode.ERROR, record.reason or f"HTTP {record.status}"))
+        open_spans: list[tuple[Step, Any]] = []
+        for step in sorted(record.steps, key=lambda s: (s.start_ns, -s.end_ns)):
+            while open_spans and not (open_spans[-1][0].start_ns <= step.start_ns
+                                      and step.end_ns <= open_spans[-1][0].end_ns):
+                open_spans.pop()
+            within = open_spans[-1][1] if open_spans else root
+            span = self.tracer.start_span(step.name, context=trace.set_span_in_context(within),
+                                          kind=SpanKind.CLIENT if step.name == "llama_server" else SpanKind.INTERNAL,
+                                          start_time=step.start_ns,
+                                          attributes=_attributes(step_attributes(step, record)))
+            if step.attributes.get("ok") is False:
+                span.set_status(Status(StatusCode.ERROR, f"{step.name} failed"))
+            span.end(end_time=step.end_ns)
+            open_spans.append((step, span))
+        root.end(end_time=max(end, start))
+        record.trace_id = format(root.get_span_context().trace_id, "032x")
+
+    def shutdown(self) -> None:
+        """Export what is left (at shutdown)."""
+        self.provider.shutdown()
+
+
+def request_attributes(record: RequestRecord) -> dict[str, Any]:
+    """The request span's attributes: HTTP and GenAI semantic conventions, then lpcache's decision and outcome."""
+    operation = OPERATIONS.get(record.api or "")
+    return {
+        "http.request.method": record.method, "url.path": record.path.split("?", 1)[0],
+        "http.response.status_code": record.status, "client.address": record.client_ip,
+        "user_agent.original": record.user_agent,
+        "gen_ai.operation.name": operation, "gen_ai.provider.name": "llama.cpp" if operation else None,
+        "gen_ai.request.model": record.model,
+        "gen_ai.usage.input_tokens": record.prompt_tokens, "gen_ai.usage.output_tokens": record.completion_tokens,
+        "lpcache.api": record.api, "lpcache.stream": record.stream, "lpcache.route": record.route,
+        "lpcache.backend": record.backend, "lpcache.slot": record.slot, "lpcache.restored": record.restored,
+        "lpcache.cache_hit": record.cache_hit, "lpcache.coalesced": record.coalesced, "lpcache.reason": record.reason,
+        "lpcache.prefilter": record.prefilter, "lpcache.key": record.key, "lpcache.session": record.session,
+        "lpcache.session_source": record.session_source, "lpcache.seeded": record.seeded,
+        "lpcache.priority": CLASSES[record.ticket.priority], "lpcache.queue_ms": record.queue_ms,
+        "lpcache.restore_file": record.restore_file, "lpcache.restore_skipped": record.restore_skipped,
+        "lpcache.restored_tokens": record.restored_tokens, "lpcache.saved": record.saved,
+        "lpcache.save_file": record.save_file, "lpcache.save_decision": record.save_decision,
+        "lpcache.retries": record.retries or None,
+        "llama_cpp.cache_n": record.cache_n, "llama_cpp.prompt_n": record.prompt_n,
+    }
+
+
+def step_attributes(step: Step, record: RequestRecord) -> dict[str, Any]:
+    attributes = {f"lpcache.{k}": v for k, v in step.attributes.items()}
+    if step.name == "llama_server":
+        attributes.update({"gen_ai.operation.name": OPERATIONS.get(record.api or ""),
+                           "gen_ai.provider.name": "llama.cpp", "gen_ai.request.model": record.model,
+                           "gen_ai.usage.input_tokens": record.prompt_tokens,
+                           "gen_ai.usage.output_tokens": record.completion_tokens,
+                           "server.address": record.backend})
+    return attributes
+
+
+def _attributes(values: Mapping[str, Any]) -> dict[str, Any]:
+    """Only what OpenTelemetry can carry: no None (a missing fact is no attribute)."""
+    return {k: v for k, v in values.items() if v is not None and isinstance(v, str | bool | int | float)}
+
+
+def from_settings(setting: str) -> Tracing | None:
+    """The process's tracing, or None when off."""
+    if not wanted(setting, os.environ):
+        return None
+    try:
+        return Tracing(os.environ)
+    except ImportError as e:   # the SDK is a dependency: only a broken install lacks it
+        raise RuntimeError(f"TRACING is on but OpenTelemetry's SDK cannot be imported ({e}): install "
+                           "opentelemetry-sdk and opentelemetry-exporter-otlp-proto-http") from e

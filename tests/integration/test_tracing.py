@@ -1,0 +1,74 @@
+"""Tracing through the whole proxy, against the stand-in: the standard OTEL_* variables turn it on, the spans reach
+an OTLP/HTTP receiver (decoded as a collector decodes them), a client's traceparent is joined, and the request log
+and the dashboard show the trace and the steps. The real server's test is tests/e2e/test_tracing_real.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lpcache.workloads.otlp_receiver import OtlpReceiver
+
+from ..conftest import user, words
+
+TRACE_ID, PARENT_ID = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+
+
+@pytest.fixture
+def receiver(monkeypatch: pytest.MonkeyPatch) -> Any:
+    with OtlpReceiver() as r:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", r.endpoint)
+        monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "20")   # ms: batches sent at once, for the test
+        yield r
+
+
+def test_spans_of_a_restored_request_reach_the_collector_in_the_clients_trace(
+        start_backend: Any, start_proxy: Any, receiver: OtlpReceiver, tmp_path: Path) -> None:
+    backend = start_backend(slots=1, prefill_ms_per_token=0.5, gen_ms_per_token=2.0)
+    log_path = tmp_path / "requests.log"
+    proxy = start_proxy(backend, plugins=({"name": "dashboard", "params": {"path": "/dash"}},
+                                          {"name": "request_log", "params": {
+                                              "path": str(log_path), "fields": ["sc-status", "lpcache-trace-id"]}}))
+    first, other = words(1, 300), words(2, 300)
+    assert proxy.push(user(first)).status_code == 200
+    assert proxy.push(user(other)).status_code == 200   # takes the only slot: the first prompt's cache is on disk
+    r = proxy.push(user(first + " and more"), {"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"})
+    assert r.status_code == 200 and r.headers["x-lpcache-restored"] == "true"
+    proxy.wait_finished(3)
+
+    roots = receiver.wait_for(3, "POST /v1/chat/completions")
+    [root] = [s for s in roots if s.trace_id == TRACE_ID]
+    assert root.parent_id == PARENT_ID and root.service == "lpcache"
+    assert root.attributes["lpcache.restored"] is True and root.attributes["http.response.status_code"] == 200
+    spans = [s for s in receiver.wait_for(3 + 8) if s.trace_id == TRACE_ID]
+    by_name = {s.name: s for s in spans}
+    assert {"slot_wait", "slot_fill", "restore", "llama_server", "prefill", "generation", "save"} <= set(by_name)
+    assert by_name["restore"].parent_id == by_name["slot_fill"].span_id
+    assert by_name["prefill"].parent_id == by_name["llama_server"].span_id
+    assert by_name["restore"].attributes["lpcache.ok"] is True
+    for span in spans:
+        assert root.start_ns <= span.start_ns <= span.end_ns <= root.end_ns, span
+    # the other two requests started traces of their own
+    assert len({s.trace_id for s in roots}) == 3
+
+    lines = [line for line in log_path.read_text().splitlines() if not line.startswith("#")]
+    assert [line.split() for line in lines][-1] == ["200", TRACE_ID]
+    stats = proxy.client.get("/dash/api/stats", params={"since": 0}).json()
+    newest = stats["recent"][0]
+    assert newest["trace_id"] == TRACE_ID
+    assert [s["name"] for s in newest["steps"]][:2] == ["slot_wait", "slot_fill"]
+    assert {s["name"] for s in newest["steps"]} == set(by_name) - {root.name}
+
+
+def test_without_the_variables_nothing_is_traced_but_the_steps_are_shown(
+        start_backend: Any, start_proxy: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_TRACES_EXPORTER"):
+        monkeypatch.delenv(name, raising=False)
+    proxy = start_proxy(start_backend(), plugins=({"name": "dashboard", "params": {"path": "/dash"}},))
+    assert proxy.push(user(words(3, 300))).status_code == 200
+    proxy.wait_finished(1)
+    assert proxy.records[0].trace_id is None
+    newest = proxy.client.get("/dash/api/stats", params={"since": 0}).json()["recent"][0]
+    assert newest["trace_id"] is None and "llama_server" in {s["name"] for s in newest["steps"]}
