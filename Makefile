@@ -68,9 +68,10 @@ bench: setup redis
 	$(BIN)/python bench/sharegpt_scenario.py
 	$(BIN)/python bench/agent_sessions.py
 
-# lpcache's own costs against a zero-latency stand-in (a few minutes), the added latency also with REDIS_URL set.
+# lpcache's own costs against a zero-latency stand-in (a few minutes), the added latency also with REDIS_URL set and
+# with OpenTelemetry tracing on.
 bench-micro: $(BIN)/lpcache redis
-	$(BIN)/python bench/overhead.py --redis
+	$(BIN)/python bench/overhead.py --redis --tracing
 	$(BIN)/python bench/lookup.py
 	$(BIN)/python bench/http_clients.py
 

@@ -25,7 +25,7 @@ from lpcache.errors import BackendUnreachable, ProxyError
 from lpcache.flow.coalesce import Group
 from lpcache.flow.guard import send_error
 from lpcache.flow.plugin_api import ChatRequest, Serve
-from lpcache.flow.record import RequestRecord
+from lpcache.flow.record import RequestRecord, now_ns
 
 log = logging.getLogger("lpcache.relay")
 
@@ -403,6 +403,7 @@ class FollowerRelay:
         self.session = session
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        following = now_ns()   # the wait for the first request's answer, and the relay of it (`coalesced`)
         try:
             if self.stream and not await self.group.failed_before_start():
                 started = False
@@ -431,6 +432,7 @@ class FollowerRelay:
         finally:
             self.watch.stop()
             self.group.leave()
+            self.record.step("coalesced", following, leader_failed=self.group.error is not None)
             self.done(self.record)
 
 

@@ -72,3 +72,20 @@ def test_without_the_variables_nothing_is_traced_but_the_steps_are_shown(
     assert proxy.records[0].trace_id is None
     newest = proxy.client.get("/dash/api/stats", params={"since": 0}).json()["recent"][0]
     assert newest["trace_id"] is None and "llama_server" in {s["name"] for s in newest["steps"]}
+
+
+def test_a_coalesced_request_shows_its_wait_for_the_first_ones_answer(
+        start_backend: Any, start_proxy: Any, receiver: OtlpReceiver) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    proxy = start_proxy(start_backend(gen_ms_per_token=20.0), coalesce_requests=True)
+    body = {"messages": user(words(4, 100)), "max_tokens": 20, "temperature": 0}
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(lambda _: proxy.client.post("/v1/chat/completions", json=body), range(2)))
+    assert [a.status_code for a in answers] == [200, 200]
+    proxy.wait_finished(2)
+    [follower] = [r for r in proxy.records if r.coalesced]
+    [step] = [s for s in follower.steps if s.name == "coalesced"]
+    assert step.attributes == {"leader_failed": False}
+    [span] = [s for s in receiver.wait_for(1, "coalesced") if s.trace_id == follower.trace_id]
+    assert follower.elapsed_ms is not None and 0.5 * follower.elapsed_ms <= span.ms <= follower.elapsed_ms
