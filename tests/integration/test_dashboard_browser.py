@@ -134,11 +134,13 @@ def test_dashboard_in_headless_chromium(tmp_path: Path) -> None:
                                           Step("llama_server", t0 + 10_000_000, t0 + 880_000_000)]))
         total, last_30s = total + 1, last_30s + 1
         wait.until(lambda d: text("kpi-requests") == str(total))
-        toggle = driver.find_element(By.CSS_SELECTOR, "#recent-body tr:first-child button.steps-toggle")
-        assert toggle.text == "900" and toggle.get_attribute("aria-expanded") == "false"
-        toggle.click()
-        wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "#recent-body tr.steps").is_displayed())
-        shown = driver.find_element(By.CSS_SELECTOR, "#recent-body tr.steps").text
+        # (every poll draws the table anew: each look and the click are one script, between two draws)
+        toggle = "document.querySelector('#recent-body tr:first-child button.steps-toggle')"
+        wait.until(lambda d: d.execute_script(f"const b = {toggle}; return b && [b.textContent, "
+                                              "b.getAttribute('aria-expanded')]") == ["900", "false"])
+        driver.execute_script(f"{toggle}.click()")
+        shown = wait.until(lambda d: d.execute_script(
+            "const r = document.querySelector('#recent-body tr.steps'); return r && !r.hidden && r.textContent"))
         assert "slot_wait +1 ms: 5 ms" in shown and "llama_server +10 ms: 870 ms" in shown, shown
         assert "trace 4bf92f3577b34da6a3ce929d0e0e4736" in shown
 
