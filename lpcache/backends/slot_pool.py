@@ -215,10 +215,11 @@ class SlotPool:
                 # what to do with this slot, now that it is ours ...
                 want.given_back(choice)
                 again = want.choose([choice.slot], self.load())
-                if corrected or reused(again) >= reused(choice):
+                if corrected or self._waiters or reused(again) >= reused(choice):
                     return self._traced(again), planned
-                # ... or, when it was chosen for a cache it turns out not to hold (and cannot restore), once more
-                # among all slots, now that this one is known (kept a moment for this replica: `Claims.released`)
+                # ... or, when it was chosen for a cache it turns out not to hold (and cannot restore) and nobody
+                # waits (the slot given back would go to the line), once more among all slots, now that this one
+                # is known (kept a moment for this replica: `Claims.released`)
                 want.given_back(again)
                 corrected = True
                 choice.slot.taken_at = 0.0   # no hold: it served nothing
