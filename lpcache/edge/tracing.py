@@ -27,6 +27,7 @@ from lpcache.flow.record import RequestRecord, Step
 log = logging.getLogger("lpcache.tracing")
 
 ASKING = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_TRACES_EXPORTER")
+CONTAINERS = ("slot_fill", "llama_server")   # the steps others happen within (the rest are the request's own)
 OPERATIONS = {"chat": "chat", "responses": "chat", "messages": "chat", "completions": "text_completion",
               "infill": "text_completion"}
 
@@ -94,12 +95,12 @@ class Tracing:
                                       attributes=_attributes(request_attributes(record)))
         if record.status is not None and record.status >= 500:
             root.set_status(Status(StatusCode.ERROR, record.reason or f"HTTP {record.status}"))
-        open_spans: list[tuple[Step, Any]] = []
-        for step in sorted(record.steps, key=lambda s: (s.start_ns, -s.end_ns)):
-            while open_spans and not (open_spans[-1][0].start_ns <= step.start_ns
+        open_spans: list[tuple[Step, Any]] = []   # the steps that hold others (CONTAINERS), latest last
+        for step in sorted(record.steps, key=lambda s: (s.start_ns, s.name not in CONTAINERS, -s.end_ns)):
+            while open_spans and not (open_spans[-1][0].start_ns <= step.start_ns < open_spans[-1][0].end_ns
                                       and step.end_ns <= open_spans[-1][0].end_ns):
                 open_spans.pop()
-            within = open_spans[-1][1] if open_spans else root
+            within = open_spans[-1][1] if open_spans and step.name not in CONTAINERS else root
             span = self.tracer.start_span(step.name, context=trace.set_span_in_context(within),
                                           kind=SpanKind.CLIENT if step.name == "llama_server" else SpanKind.INTERNAL,
                                           start_time=step.start_ns,
@@ -107,7 +108,8 @@ class Tracing:
             if step.attributes.get("ok") is False:
                 span.set_status(Status(StatusCode.ERROR, f"{step.name} failed"))
             span.end(end_time=step.end_ns)
-            open_spans.append((step, span))
+            if step.name in CONTAINERS:
+                open_spans.append((step, span))
         root.end(end_time=max(end, start))
         record.trace_id = format(root.get_span_context().trace_id, "032x")
 

@@ -106,3 +106,18 @@ def test_a_server_error_marks_the_request_span_as_failed() -> None:
                                   elapsed_ms=3.0))
     [root] = exporter.get_finished_spans()
     assert root.status.status_code is StatusCode.ERROR and root.status.description == "backend_unreachable"
+
+
+def test_a_step_of_no_length_nests_under_the_step_it_happens_in_not_beside_it() -> None:
+    tracing, exporter = traced()
+    record = RequestRecord(path="/v1/chat/completions", status=200, started=1000.0, elapsed_ms=100.0)
+    t0 = 1000 * 1000 * MS
+    record.step("llama_server", t0 + 10 * MS, t0 + 90 * MS)
+    record.step("prefill", t0 + 40 * MS, t0 + 40 * MS)       # a prompt the slot held whole
+    record.step("generation", t0 + 40 * MS, t0 + 90 * MS)
+    record.step("save", t0 + 90 * MS, t0 + 90 * MS)
+    tracing.observe(record)
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    call, root = spans["llama_server"].context.span_id, spans["POST /v1/chat/completions"].context.span_id
+    assert {name: s.parent.span_id for name, s in spans.items() if s.parent} == {
+        "llama_server": root, "prefill": call, "generation": call, "save": root}
