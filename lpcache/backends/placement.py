@@ -30,6 +30,11 @@ class Choice:
     warm_blocks: int = 0    # ... this many of its identity blocks
     seed: bool = False      # a session starting anew, placed as in prefix mode (`SlotFiller.take_slot`)
 
+    @property
+    def reused(self) -> int:
+        """Identity blocks of the prompt this choice gives without computing them: held, or restored."""
+        return max(self.resident, self.restore.shared if self.restore is not None else 0)
+
 
 Pays = Callable[[Slot, Candidate, int], bool]
 

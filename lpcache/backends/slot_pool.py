@@ -46,11 +46,6 @@ class Claims(Protocol):
     def saving(self, slot: Slot) -> None: ...
 
 
-def reused(choice: Choice) -> int:
-    """Identity blocks of the prompt the choice gives without computing them: held, or restored."""
-    return max(choice.resident, choice.restore.shared if choice.restore is not None else 0)
-
-
 class SlotPool:
     """Hands out slots: at once when one is idle and nobody waits, else in arrival order as slots come free."""
 
@@ -215,7 +210,7 @@ class SlotPool:
                 # what to do with this slot, now that it is ours ...
                 want.given_back(choice)
                 again = want.choose([choice.slot], self.load())
-                if corrected or self._waiters or reused(again) >= reused(choice):
+                if corrected or self._waiters or again.reused >= choice.reused:
                     return self._traced(again), planned
                 # ... or, when it was chosen for a cache it turns out not to hold (and cannot restore) and nobody
                 # waits (the slot given back would go to the line), once more among all slots, now that this one

@@ -255,8 +255,7 @@ class Attempts:
             choice = await self.p.filler.take_slot(self.prompt, self.record, self.allowed(), self.want,
                                                    answer_tokens(self.body))
             self.record.step("slot_wait", waited_from, route=self.record.route, backend=self.record.backend,
-                             slot=choice.slot.id, shared_blocks=max(choice.resident, choice.restore.shared if
-                                                                    choice.restore is not None else 0),
+                             slot=choice.slot.id, shared_blocks=choice.reused,
                              restore_file=choice.restore.entry.key if choice.restore is not None else None,
                              restore_skipped=choice.skipped, prompt_blocks=len(self.prompt.exact))
             waited_from = now_ns()
