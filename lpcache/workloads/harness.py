@@ -218,13 +218,14 @@ class MockProcess(_Process):
 
 class LpcacheProcess(_Process):
     """lpcache started as a user starts it, with its settings as environment variables: `python -m lpcache` of this
-    interpreter, or `command` (the `lpcache` of another installation, such as a wheel's virtualenv)."""
+    interpreter, or `command` (the `lpcache` of another installation, such as a wheel's virtualenv); on `port` (a
+    free one by default; a replica started again where its clients reach it)."""
 
     name = "lpcache"
 
     def __init__(self, settings: Mapping[str, str], timeout: float = 30.0,
-                 command: Sequence[str] | None = None) -> None:
-        super().__init__()
+                 command: Sequence[str] | None = None, port: int | None = None) -> None:
+        super().__init__(port)
         env = {k: v for k, v in os.environ.items() if k not in ("BACKENDS", "LLAMA_URL", "META_DIR")}
         env.update({"HOST": "127.0.0.1", "PORT": str(self.port), **settings})
         self._start(list(command) if command else [sys.executable, "-m", "lpcache"], env, timeout)
