@@ -237,6 +237,8 @@ class Backend:
         """A failure: `down` when the backend did not answer (refused, reset, timed out, broke its answer), not
         when it answered an error of its own (5xx): only a down backend is probed during its cooldown."""
         self.last_seen = 0.0   # it may come back restarted: what its slots hold is checked before it is trusted
+        if down:
+            self.loadable.restarted()   # and with other slot contexts: read again from its next GET /slots
         was = self.breaker.state
         self.breaker.failure(time.monotonic(), down)
         log.warning("backend_down url=%s reason=%s cooldown_s=%.1f failures=%d%s", self.url, reason,

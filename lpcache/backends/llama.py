@@ -91,6 +91,13 @@ class SlotAction:
             return str(err.get("message", err))
         return str(err or self.body)
 
+    @property
+    def unreadable_file(self) -> bool:
+        """A restore refused for the file itself: llama-server's one message for a missing, unreadable or foreign
+        file ("No available space in KV cache or invalid slot save file"); not a file too long for the slot, not
+        a server that failed otherwise."""
+        return not self.ok and self.status == 400 and "invalid slot save file" in self.error.lower()
+
 
 MESSAGE_CHARS = 300   # the most of a backend's error text a log line or an error message carries
 _TITLE = re.compile(rb"<title[^>]*>(.*?)</title>", re.IGNORECASE | re.DOTALL)

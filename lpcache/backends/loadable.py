@@ -4,12 +4,17 @@ Two things the model's identity does not tell:
 
 - **The KV cache's layout.** llama-server does not say its cache type (`-ctk` / `-ctv`), and a file saved under
   another type is refused on restore (400, "invalid slot save file") after the slot was already cleared. But every
-  save reports the tokens it wrote (`n_saved`) and the bytes (`n_written`): bytes per token is the layout's (f16 about
-  twice q8_0, q8_0 about 1.9x q4_0, a header of a few hundred bytes spread over the tokens), and a meta entry keeps
-  both. Per model identity, a server's layout is learnt from each of its saves; a file whose bytes per token differ
-  from it by more than LAYOUT_TOLERANCE is not offered for restore there. A restore the server refuses of a file that
-  is present marks that file's layout as not this server's until a save shows it again (a server restarted with
-  another cache type is found so before its first save), so one failed restore stops the others of the old type.
+  save reports the tokens it wrote (`n_saved`) and the bytes (`n_written`), and a meta entry keeps both. Bytes per
+  token is the layout's, but not a constant of it: on a dense model it is (f16 about twice q8_0, a header of a few
+  hundred bytes spread over the tokens), while a sliding-window model's window layers stop growing past the window
+  (Gemma 3 270M, real llama-server b11434: 18.5 KB a token up to 512 tokens, 5.7 KB a token at 3,000). What holds
+  for every layout is that a longer file of it is no smaller and has no more bytes per token. So per model identity a
+  server's saves are kept as samples (the latest of each length's power of two), and a file is not offered there when
+  it breaks that rule against one of them by more than LAYOUT_TOLERANCE: a q8_0 file is smaller than an f16 save of
+  fewer tokens, or has fewer bytes per token than an f16 save of more tokens. A restore the server refuses of a file
+  that is present ("invalid slot save file") voids the samples (the server may have been restarted with another
+  cache type, found so before its first save) and marks that file's bytes per token as not this server's until a
+  save shows a layout again, so one failed restore stops the other files of the old type.
 - **The slot's context.** A file holding more tokens than the slot's context (`n_ctx` per slot: `/props`'
   `default_generation_settings`, and per slot in `GET /slots`, which may differ between slots) cannot be loaded.
 
@@ -24,8 +29,10 @@ from lpcache.cache.meta_files import MetaEntry
 
 LAYOUT_MIN_TOKENS = 16     # a file's bytes per token is read only from this many tokens (its header then weighs <5%)
 LAYOUT_MIN_BYTES = 256     # bytes per token below which a file is no KV cache's (the stand-in's small files): not read
-LAYOUT_TOLERANCE = 0.05    # bytes per token within this share of the server's: the same layout
+LAYOUT_TOLERANCE = 0.05    # bytes (and bytes per token) within this share: not a break of the layout's rule
 REFUSED_KEPT = 8           # refused layouts remembered per model identity
+
+Sample = tuple[int, int]   # (tokens, bytes) of one saved file
 
 
 def per_token(tokens: int | None, size: int | None) -> float | None:
@@ -36,23 +43,39 @@ def per_token(tokens: int | None, size: int | None) -> float | None:
 
 
 def same_layout(a: float, b: float) -> bool:
+    """Two bytes-per-token figures alike: a file refused is taken for the layout of those alike to it."""
     return abs(a - b) <= LAYOUT_TOLERANCE * max(a, b)
+
+
+def consistent(file: Sample, saved: Sample) -> bool:
+    """Whether two files can be of one layout: the longer one is no smaller, and has no more bytes per token."""
+    (short, short_bytes), (long, long_bytes) = sorted((file, saved))
+    tol = 1 + LAYOUT_TOLERANCE
+    return short_bytes <= long_bytes * tol and long_bytes / long <= short_bytes / short * tol
 
 
 @dataclass
 class Layout:
-    """One model identity's KV layout on one server: the bytes per token of its latest save, and the layouts it
-    refused to load since."""
+    """One model identity's KV layout on one server: samples of its saves since it was last in doubt (by the power
+    of two of their length), and the bytes per token of the files it refused to load since."""
 
-    current: float | None = None
+    samples: dict[int, Sample] = field(default_factory=dict)
     refused: list[float] = field(default_factory=list)
 
-    def loads(self, bytes_per_token: float | None) -> bool:
-        if bytes_per_token is None:
+    def loads(self, tokens: int | None, size: int | None) -> bool:
+        bytes_per_token = per_token(tokens, size)
+        if bytes_per_token is None or tokens is None or size is None:
             return True
-        if self.current is not None:
-            return same_layout(bytes_per_token, self.current)
+        if self.samples:
+            return all(consistent((tokens, size), s) for s in self.samples.values())
         return not any(same_layout(bytes_per_token, r) for r in self.refused)
+
+    def saved(self, tokens: int, size: int) -> None:
+        if not all(consistent((tokens, size), s) for s in self.samples.values()):
+            self.samples.clear()   # the server saves in another layout now (restarted with another cache type)
+        self.samples[tokens.bit_length()] = (tokens, size)
+        bytes_per_token = size / tokens
+        self.refused = [r for r in self.refused if not same_layout(r, bytes_per_token)]
 
 
 @dataclass
@@ -64,28 +87,29 @@ class Loadable:
     layouts: dict[str, Layout] = field(default_factory=dict)       # model identity -> layout
 
     def saved(self, fingerprint: str | None, tokens: int | None, size: int | None) -> None:
-        """A save on this server wrote `tokens` in `size` bytes: its layout now."""
-        bytes_per_token = per_token(tokens, size)
-        if fingerprint is None or bytes_per_token is None:
+        """A save on this server wrote `tokens` in `size` bytes: a sample of its layout now."""
+        if fingerprint is None or tokens is None or size is None or per_token(tokens, size) is None:
             return
-        layout = self.layouts.setdefault(fingerprint, Layout())
-        layout.current = bytes_per_token
-        layout.refused = [r for r in layout.refused if not same_layout(r, bytes_per_token)]
+        self.layouts.setdefault(fingerprint, Layout()).saved(tokens, size)
 
     def refused(self, entry: MetaEntry) -> bool:
-        """The server refused to load a present file that fits the slot: its layout is taken for not this server's
-        (the layout its saves showed included: the server may have been restarted with another cache type) until a
-        save shows it again. A file refused for another cause (a broken one) costs the others of its layout no more
-        than waiting for the server's next save. True when the file told its layout."""
+        """The server refused to load a present file that fits the slot ("invalid slot save file"): the file's
+        layout is taken for not this server's, and what its saves showed is in doubt (it may have been restarted
+        with another cache type) until a save shows it again. A file refused for another cause (a broken one) costs
+        the others of its layout no more than waiting for the server's next save. True when the file told its
+        layout."""
         bytes_per_token = per_token(entry.n_tokens, entry.size)
         if entry.fingerprint is None or bytes_per_token is None:
             return False
         layout = self.layouts.setdefault(entry.fingerprint, Layout())
-        if layout.current is not None and same_layout(layout.current, bytes_per_token):
-            layout.current = None
+        layout.samples.clear()
         if not any(same_layout(bytes_per_token, r) for r in layout.refused):
             layout.refused = [*layout.refused, bytes_per_token][-REFUSED_KEPT:]
         return True
+
+    def restarted(self) -> None:
+        """The server was (re)started: its slots' contexts are read again (`GET /slots`, `/props`)."""
+        self.slot_ctx.clear()
 
     def context(self, model: str | None, slot_id: int) -> int | None:
         return self.slot_ctx.get((model, slot_id), self.n_ctx)
@@ -99,4 +123,4 @@ class Loadable:
         if entry.fingerprint is None:
             return True
         layout = self.layouts.get(entry.fingerprint)
-        return layout is None or layout.loads(per_token(entry.n_tokens, entry.size))
+        return layout is None or layout.loads(entry.n_tokens, entry.size)

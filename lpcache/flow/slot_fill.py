@@ -480,13 +480,12 @@ class SlotFiller:
             else:   # a session's file used as a seed: the last of its route the session limits delete
                 self.saver.spawn(asyncio.to_thread(self.seeds.used, slot.backend, entry.key))
             return
-        layout = result.status == 400 and backend.loadable.refused(entry)   # not loadable there: nor its like
-        log.warning("restore_failed key=%s slot=%s status=%s reason=%r: the server cleared the slot%s", entry.key[:16],
-                    slot.name, result.status, result.error, "; its KV layout is not offered there" if layout else "")
         slot.content = None
         self.seeds.outcome(choice.seed, record, False)
-        if seed is None:
-            await self.index.discard_if_stale(entry.key)
+        gone = seed is None and await self.index.discard_if_stale(entry.key)
+        layout = not gone and result.unreadable_file and backend.loadable.refused(entry)   # nor its like
+        log.warning("restore_failed key=%s slot=%s status=%s reason=%r: the server cleared the slot%s", entry.key[:16],
+                    slot.name, result.status, result.error, "; its KV layout is not offered there" if layout else "")
         if previous is not None and previous.saved and not layout:
             back = await swap.restore_file(backend.client, slot.id, previous.key, model)
             if back.ok:

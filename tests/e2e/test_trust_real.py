@@ -243,6 +243,32 @@ def test_files_of_another_kv_cache_type_are_not_offered_after_the_server_changed
         first.stop()
 
 
+def test_a_sliding_window_models_short_file_is_restored_after_a_long_save(tmp_path: Path) -> None:
+    """Gemma 3 (a window of 512) saves 18.5 KB a token up to its window and fewer past it (5.7 KB at 3,000): one
+    layout all the same, so its short file is still offered, and restored, after the server saved a long one."""
+    slots = str(tmp_path / "slots")
+    short, long = chats.Conversation(97, turns=2, n_words=260), chats.Conversation(98, turns=2, n_words=1600)
+    with LlamaServer(slots, n_slots=1, cache_ram=0, ctx=8192, extra=["-m", gemma_path(), "--swa-full"]) as server:
+        proxy = Proxy(Settings(backends=(BackendConfig(server.url, None, slots),), meta_dir=str(tmp_path / "meta"),
+                               host="127.0.0.1", big_threshold_words=50))
+        try:
+            sizes = []
+            for conv in (short, long):
+                r, record = post(proxy, conv.body)
+                assert record.saved and record.save_file, record
+                entry = proxy.pipeline.index._entries[record.save_file]
+                sizes.append((entry.n_tokens, entry.size))
+            (t_short, b_short), (t_long, b_long) = sizes
+            assert t_short < 512 < t_long and b_short / t_short > 1.5 * b_long / t_long, sizes
+            r, record = post(proxy, short.advance("An answer."))
+            assert record.restored is True and r.headers["x-lpcache-cache-hit"] == "true", record
+            assert r.json()["timings"]["cache_n"] > 0
+            figures(f"  Gemma 3 files: {t_short} tokens in {b_short:,} bytes, {t_long} in {b_long:,}; the short one "
+                    f"restored after the long save, cache_n={r.json()['timings']['cache_n']}")
+        finally:
+            proxy.stop()
+
+
 def test_a_file_larger_than_the_slots_context_is_not_offered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A conversation saved on a server with a large context; the server restarted with a smaller one (`-c 2048`):
     the file holds more tokens than a slot there, so a prompt sharing its start is computed, not restored into a

@@ -210,6 +210,26 @@ def test_files_of_another_kv_cache_type_are_not_offered_after_the_server_changed
     assert mock_stats(changed)["restore_failures"] == 1
 
 
+def test_a_restore_refused_for_the_slots_context_does_not_stop_the_files_of_its_layout(
+        start_backend: Any, start_proxy: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """Only "invalid slot save file" tells a layout: a file refused as longer than the slot's context (a context
+    lpcache did not know) leaves the other files of its kind offered."""
+    backend = start_backend(slots=1, prefill_ms_per_token=PREFILL, kv_bytes_per_token=2000)
+    proxy = start_proxy(backend)
+    old = [chats.Conversation(81 + i, turns=3, n_words=400) for i in range(2)]
+    for conv in old:
+        send(proxy, conv.body)
+    send(proxy, chats.request(83, 300))   # both old ones only in their files now
+    slot = backend.app_state.pool.slots[0]
+    slot.n_ctx = 64   # the server's slot is smaller than lpcache read: the restore is refused as too long
+    proxy.client.post("/v1/chat/completions", json=old[0].advance("An answer."))
+    assert mock_stats(backend)["restore_failures"] >= 1   # and the slot's previous file, given back, too long too
+    assert "restore_failed" in caplog.text and "its KV layout is not offered there" not in caplog.text
+    slot.n_ctx = 8192
+    r = send(proxy, old[1].advance("An answer."))
+    assert r.headers["x-lpcache-restored"] == "true" and r.headers["x-lpcache-cache-hit"] == "true"
+
+
 def test_a_router_caches_in_prefix_mode_and_ignores_unknown_models(start_backend: Any, start_proxy: Any) -> None:
     router = start_backend(router=True, models=("a", "b"), slots=1, prefill_ms_per_token=PREFILL)
     proxy = start_proxy(router)

@@ -1,6 +1,7 @@
-"""Which saved files a server can load beyond the model: its KV layout (bytes per token, from its saves) and each
-slot's context. Figures from the real llama-server b11434 and SmolLM2-135M: 19 tokens saved in 438,840 bytes with
-an f16 cache, 233,640 with q8_0, 14 tokens in 172,360 with q8_0."""
+"""Which saved files a server can load beyond the model: its KV layout (from its saves' sizes) and each slot's
+context. Figures from the real llama-server b11434: SmolLM2-135M saves 19 tokens in 438,840 bytes with an f16 cache,
+233,640 with q8_0; Gemma 3 270M (sliding window of 512) saves (tokens, bytes) as in GEMMA, with or without
+--swa-full."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ from lpcache.backends.slots import Slot
 from lpcache.cache.meta_files import Candidate, MetaEntry
 
 F16, Q8 = 438_840 / 19, 233_640 / 19
+GEMMA = [(22, 406_628), (41, 757_368), (201, 3_710_968), (513, 9_455_116), (601, 9_726_860), (1001, 10_962_060),
+         (2002, 14_053_148), (3002, 17_141_148)]
+SMOL_F16 = [(22, 508_004), (107, 2_467_764), (549, 12_658_516), (2153, 49_640_340), (3179, 73_295_796)]
+SMOL_Q8 = [(22, 270_404), (106, 1_299_908), (553, 6_778_340), (2124, 26_032_516), (3211, 39_354_788)]
 
 
 def entry(tokens: int | None, size: int, fingerprint: str | None = "fp") -> MetaEntry:
@@ -66,3 +71,45 @@ def test_the_models_identity_changes_with_the_servers_build() -> None:
     assert model_fingerprint({**props, "build_info": "b11502-0c2e91a"}, model) != before
     entry = {"id": "smol", "status": {"args": ["-m", "/m/SmolLM2.gguf"]}}
     assert router_model_fingerprint(entry, "b11434") != router_model_fingerprint(entry, "b11502")
+
+
+def test_a_sliding_window_models_files_of_every_length_are_offered_after_its_saves_of_any() -> None:
+    """Gemma's bytes per token falls from 18.5 KB to 5.7 KB past its window: one layout all the same."""
+    for saved in GEMMA:
+        loads = Loadable()
+        loads.saved("fp", *saved)
+        assert all(loads.fits(entry(t, b), None, 0) for t, b in GEMMA), saved
+    loads = Loadable()
+    for saved in GEMMA[::-1]:
+        loads.saved("fp", *saved)
+    assert all(loads.fits(entry(t, b), None, 0) for t, b in GEMMA)
+
+
+def test_a_dense_models_other_cache_type_is_told_once_saves_of_no_more_tokens_are_known() -> None:
+    """What the sizes allow to tell without knowing the model: a file of another layout no shorter than the
+    server's shortest sample (a shorter one of a heavier layout is told by its refusal)."""
+    for mine, other in ((SMOL_F16, SMOL_Q8), (SMOL_Q8, SMOL_F16)):
+        loads = Loadable()
+        for saved in mine[1::2]:
+            loads.saved("fp", *saved)
+        assert all(loads.fits(entry(t, b), None, 0) for t, b in mine)
+        told = [loads.fits(entry(t, b), None, 0) for t, b in other if t >= mine[1][0]]
+        assert told and not any(told)
+
+
+def test_saves_of_another_layout_replace_the_samples_of_the_old_one() -> None:
+    """The server restarted with q8_0 and saved before any old file was tried: its saves are the truth now."""
+    loads = Loadable()
+    for saved in SMOL_F16:
+        loads.saved("fp", *saved)
+    loads.saved("fp", *SMOL_Q8[2])
+    loads.saved("fp", *SMOL_Q8[0])
+    assert all(loads.fits(entry(t, b), None, 0) for t, b in SMOL_Q8)
+    assert not any(loads.fits(entry(t, b), None, 0) for t, b in SMOL_F16)
+
+
+def test_a_slots_context_is_read_again_after_its_server_was_down() -> None:
+    loads = Loadable(n_ctx=4096)
+    loads.slot_ctx[(None, 1)] = 1024
+    loads.restarted()
+    assert loads.context(None, 1) == 4096
