@@ -32,7 +32,7 @@ log = logging.getLogger("lpcache.llama")
 CHAT_PATH = "/v1/chat/completions"
 
 KEEPALIVE_SECONDS = 4.0    # below llama-server's own idle keep-alive (5 s)
-STALE_RETRIES = 1          # resends at once when a pooled connection turns out closed (then: unreachable)
+STALE_RETRIES = 16         # resends at once while pooled connections turn out closed (a restarted server's all are)
 ERROR_BODY_SECONDS = 10.0  # an error answer's body comes with its headers: longer is a stalled server
 
 # What aiohttp or the OS raise when a connection fails or a read times out.
@@ -250,7 +250,7 @@ class LlamaClient:
             # keep-alive: a request sent on it meanwhile would go out on a dead connection. Asked to close it, it
             # says so (it echoes `Connection: close`) and the pool never keeps it.
             headers["Connection"] = "close"
-        upstream = await self._send("POST", path, params=params, data=data, headers=headers, generates=True)
+        upstream = await self._send("POST", path, params=params, data=data, headers=headers)
         if upstream.status != 200:
             await upstream.raise_error()
         return upstream
@@ -332,16 +332,17 @@ class LlamaClient:
             out = {k: v for k, v in out.items() if k.lower() not in CREDENTIAL_HEADERS} | self.headers
         if b'"stream"' in body:
             out["Connection"] = "close"   # it may be streamed: not pooled (see `chat`)
-        return await self._send(method, path_qs, data=body or None, headers=out, auto_decompress=False,
-                                generates=method not in ("GET", "HEAD", "OPTIONS"))
+        return await self._send(method, path_qs, data=body or None, headers=out, auto_decompress=False)
 
     async def _send(self, method: str, path: str, *, timeout: aiohttp.ClientTimeout | None = None,
-                    generates: bool = False, **kwargs: Any) -> Upstream:
-        """Send a request; the answer's headers are in. A pooled connection found closed (the server's keep-alive
-        ran out just as it was taken) is no failure of the server: the request goes again at once on another;
-        unless it may start a generation (`generates`): the server may have read it before the connection broke,
-        and it is never sent twice (the caller fails over as for any broken connection). Such connections are rare:
-        lpcache keeps connections idle for less than llama-server's keep-alive, and closes a streamed answer's."""
+                    **kwargs: Any) -> Upstream:
+        """Send a request; the answer's headers are in. A pooled connection that breaks before any answer (the
+        server closed it: its keep-alive ran out just as it was taken, or the server was restarted and every pooled
+        connection to it is dead) is no failure of the server: the request goes again at once, generations too, to
+        the same slot, until it goes out on a connection the server opened for it (then a break is the server's:
+        unreachable, the caller fails over). A request llama-server had read when its connection broke is cancelled
+        there (it stops a task whose connection closed), so one answer is made. Such connections are rare: lpcache
+        keeps connections idle for less than llama-server's keep-alive, and closes a streamed answer's."""
         stale = 0
         while True:
             pooled = {"reused": False}
@@ -350,8 +351,7 @@ class LlamaClient:
                                                       allow_redirects=False, trace_request_ctx=pooled, **kwargs)
                 return Upstream(response, self.url)
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
-                if (pooled["reused"] and stale < STALE_RETRIES and not generates
-                        and not isinstance(e, aiohttp.ClientConnectorError)):
+                if pooled["reused"] and stale < STALE_RETRIES and not isinstance(e, aiohttp.ClientConnectorError):
                     stale += 1
                     log.info("stale_connection url=%s path=%s: a pooled connection was closed by the server; "
                              "sent again at once", self.url, path.split("?", 1)[0])

@@ -63,15 +63,31 @@ def test_health_is_503_only_when_no_backend_can_serve(start_proxy: Any) -> None:
 def test_dropped_connection_fails_over_to_the_other_backend(start_backend: Any, start_proxy: Any) -> None:
     a, b = start_backend(), start_backend()
     proxy = start_proxy(a, b)
-    # a connection dropped on a pooled connection is taken for one the server closed as idle, and sent again at
-    # once on another: the second drop is the backend's failure
-    fault(a, drop=2)
+    # a request dropped on a pooled connection is taken for one the server closed as idle, and sent again at once;
+    # dropped on a connection opened for it, it is the backend's failure
+    fault(a, drop=100)
     fault(b, drop=0)
     r = proxy.chat(user(words(1, SMALL)))   # the first idle slot is on a: dropped, then b
     assert r.status_code == 200 and r.headers["x-lpcache-slot"].startswith("1:")
     proxy.wait_finished(1)
     assert proxy.records[0].retries == 1
     assert breaker(proxy, 0) == "open"
+    assert proxy.busy_slots() == []
+
+
+def test_a_generation_whose_pooled_connection_drops_is_answered_by_its_slot(start_backend: Any,
+                                                                             start_proxy: Any) -> None:
+    """One slot, a pooled connection dropped before any answer (the server's keep-alive ran out, or it was
+    restarted): the request goes again to the same slot, not failed over (here: a 502), the backend not blamed."""
+    backend = start_backend(slots=1)
+    proxy = start_proxy(backend)
+    assert proxy.chat(user(words(1, SMALL))).status_code == 200   # its connection is pooled now
+    fault(backend, drop=1)
+    r = proxy.chat(user(words(2, SMALL)))
+    assert r.status_code == 200 and r.headers["x-lpcache-slot"] == "0:0"
+    proxy.wait_finished(2)
+    assert proxy.records[1].retries == 0 and breaker(proxy, 0) == "closed"
+    assert mock_stats(backend)["requests_by_path"]["/v1/chat/completions"] == 3
     assert proxy.busy_slots() == []
 
 

@@ -191,6 +191,7 @@ async def _server(answer_once: bool) -> tuple[asyncio.Server, list[int]]:
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         connections.append(1)
+        _WRITERS.add(writer)
         served = 0
         try:
             while True:
@@ -247,24 +248,28 @@ def test_a_slot_action_count_is_an_int_the_server_reported_or_none() -> None:
     assert [action.count(n) for n in ("n_written", "n_read", "n_restored", "missing")] == [None] * 4
 
 
-async def _llama_like(close_after_stream: bool = True, drop_second: bool = False
-                      ) -> tuple[asyncio.Server, list[int], list[bytes]]:
+_WRITERS: set[asyncio.StreamWriter] = set()   # the open connections of every `_llama_like` (to break them)
+
+
+async def _llama_like(close_after_stream: bool = True, drop_second: bool = False, drop_first: bool = False,
+                      port: int = 0) -> tuple[asyncio.Server, list[int], list[bytes]]:
     """A raw HTTP server answering chat requests as llama-server b11434 does: keep-alive, but a streamed answer's
     connection is closed after its last event (saying so only when the request asked for it: cpp-httplib echoes a
-    request's `Connection: close`). `drop_second`: a connection's second request is read and the
-    connection closed without an answer (the server may have started it). Returns the server, one entry per
-    connection, and each request line read."""
+    request's `Connection: close`). `drop_second` (`drop_first`): a connection's second (first) request is read and
+    the connection closed without an answer. Returns the server, one entry per connection, and each request line
+    read."""
     connections: list[int] = []
     requests: list[bytes] = []
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         connections.append(1)
+        _WRITERS.add(writer)
         served = 0
         try:
             while True:
                 head, body = await read_request(reader)
                 requests.append(head.split(b"\r\n", 1)[0])
-                if drop_second and served:
+                if (drop_second and served) or drop_first:
                     break
                 served += 1
                 if b'"stream":true' in body:
@@ -285,9 +290,10 @@ async def _llama_like(close_after_stream: bool = True, drop_second: bool = False
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
+            _WRITERS.discard(writer)
             writer.close()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    server = await asyncio.start_server(handle, "127.0.0.1", port)
     return server, connections, requests
 
 
@@ -310,19 +316,61 @@ def test_a_streamed_answers_connection_is_not_reused() -> None:
     asyncio.run(run())
 
 
-def test_a_generation_the_server_may_have_read_is_never_sent_again() -> None:
+def test_a_generation_whose_pooled_connection_broke_goes_again_to_the_same_slot() -> None:
+    """Before any answer: the server closed it (or cancels what it read); a new connection, the same pinned slot."""
     async def run() -> None:
         server, connections, requests = await _llama_like(drop_second=True)
         port = server.sockets[0].getsockname()[1]
         body = {"messages": [{"role": "user", "content": "hi"}]}
         async with client_session() as session:
             client = LlamaClient(f"http://127.0.0.1:{port}", session, timeout=5.0)
-            upstream = await client.chat(dict(body), 0)
-            await upstream.read()
-            upstream.release()
-            with pytest.raises(BackendUnreachable):
-                await client.chat(dict(body), 0)   # read by the server on the pooled connection, then dropped
+            for _ in range(2):
+                upstream = await client.chat(dict(body), 1)
+                assert b"Hi" in await upstream.read()
+                upstream.release()
         server.close()
-        assert len(requests) == 2 and len(connections) == 1, (requests, connections)
+        assert len(requests) == 3 and len(connections) == 2, (requests, connections)
+        assert all(b"id_slot=1" in r for r in requests), requests
+
+    asyncio.run(run())
+
+
+def test_a_generation_on_a_new_connection_that_breaks_is_not_sent_again() -> None:
+    """The server broke a connection opened for the request: its failure, the caller fails over."""
+    async def run() -> None:
+        server, connections, requests = await _llama_like(drop_first=True)
+        port = server.sockets[0].getsockname()[1]
+        async with client_session() as session:
+            client = LlamaClient(f"http://127.0.0.1:{port}", session, timeout=5.0)
+            with pytest.raises(BackendUnreachable):
+                await client.chat({"messages": [{"role": "user", "content": "hi"}]}, 0)
+        server.close()
+        assert len(requests) == 1 and len(connections) == 1, (requests, connections)
+
+    asyncio.run(run())
+
+
+def test_a_generation_after_a_server_restart_passes_every_dead_pooled_connection() -> None:
+    """A restarted server leaves lpcache's pooled connections to it all dead: the first request after it is
+    answered, not failed over (a one-slot server would answer 502)."""
+    async def run() -> None:
+        server, _, _ = await _llama_like()
+        port = server.sockets[0].getsockname()[1]
+        body = {"messages": [{"role": "user", "content": "hi"}]}
+        async with client_session() as session:
+            client = LlamaClient(f"http://127.0.0.1:{port}", session, timeout=5.0)
+
+            async def one() -> None:
+                upstream = await client.chat(dict(body), 0)
+                await upstream.read()
+                upstream.release()
+            await asyncio.gather(*(one() for _ in range(4)))   # four connections pooled
+            server.close()
+            for writer in list(_WRITERS):   # and every connection it had open
+                writer.close()
+            again, connections, requests = await _llama_like(port=port)
+            await one()
+            again.close()
+        assert len(requests) == 1 and len(connections) == 1, (requests, connections)
 
     asyncio.run(run())
