@@ -16,7 +16,9 @@ their one I/O thread are `meta_files`'; the lookup tables' holders, `holders`'.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
 import os
 import time
 from collections import OrderedDict
@@ -86,6 +88,8 @@ class MetaIndex(MetaFiles, IndexLimits):
         self.held: Callable[[], Collection[str]] = tuple
         # With REDIS_URL (`fleet.replica.Fleet.files_in_use`): the files other replicas' requests restore or save now.
         self.in_use_elsewhere: Callable[[], Collection[str]] = tuple
+        # With REDIS_URL (`Fleet.names`): whether the shared index has an entry of that name, readable here or not.
+        self.named_elsewhere: Callable[[str], bool] = _named_nowhere
         # The usage of entries the limits deleted, by the digest their chain ended at: a conversation that comes
         # back with a new save takes its rhythm over (a deleted file would otherwise make it look brand new, and
         # the first to go again). Bounded: the oldest are forgotten.
@@ -379,15 +383,20 @@ class MetaIndex(MetaFiles, IndexLimits):
         path = inside(folder, entry.key)
         return path is not None and os.path.isfile(path)
 
-    async def sweep_orphans(self, grace: float) -> int:
-        """Delete the files in the slot-save folders that no entry names and nothing wrote for `grace` seconds, nor
-        any request saves or restores now (`orphans`); their number."""
-        found = await self._run(unnamed_files, sorted(self._folders), self._entries.__contains__, grace, time.time())
+    async def sweep_orphans(self, grace: float, before: float = math.inf) -> int:
+        """Delete the files in the slot-save folders that no entry names, that nothing wrote for `grace` seconds nor
+        since `before` (wall time: up to when every replica's entries are known, `fleet.synced`), and that no
+        request saves or restores now (`orphans`); their number. The folders are read off the index's I/O thread."""
+
+        def named(key: str) -> bool:
+            return key in self._entries or self.named_elsewhere(key)
+
+        found = await asyncio.to_thread(unnamed_files, sorted(self._folders), named, grace, time.time(), before)
         busy = {*self._saving, *self._protected, *self._unlinking, *self.in_use_elsewhere()}
-        found = [(folder, key) for folder, key in found if key not in self._entries and key not in busy]
+        found = [(folder, key) for folder, key in found if not named(key) and key not in busy]
         removed: list[tuple[str, int]] = []
         if found:
-            await self._tracked([key for _, key in found], remove_unnamed, found, grace, removed)
+            await self._tracked([key for _, key in found], remove_unnamed, found, grace, removed, before)
         self.orphans_removed += len(removed)
         return len(removed)
 
@@ -514,3 +523,5 @@ class MetaIndex(MetaFiles, IndexLimits):
             drop_holder(self._ends.get(entry.fingerprint or "", {}), entry.exact[-1], entry.key)
 
 
+def _named_nowhere(key: str) -> bool:
+    return False

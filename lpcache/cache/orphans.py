@@ -8,8 +8,10 @@ every ORPHAN_GRACE_SECONDS / 4 (at least SWEEP_MIN_SECONDS) the slot-save folder
 named like a prefix cache (64 hex digits) that no index entry names, whose save no request of any replica has under
 way (`MetaIndex.saving`, `files_in_use`), and that nothing wrote for ORPHAN_GRACE_SECONDS is deleted
 (`kv_file_removed ... reason=orphan`, `lpcache_orphan_files_removed_total`). Session files are the session
-limits' (MAX_FILES, MAX_GIB); a file of a meta file the Rust lpcache wrote is named by it. While Redis is out of
-reach the index may not know every replica's entries: no sweep then. ORPHAN_GRACE_SECONDS=0: no sweep.
+limits' (MAX_FILES, MAX_GIB); a file of a meta file the Rust lpcache wrote is named by it. With Redis, a file is
+judged only when written before every replica was last known to have published its entries (`fleet.synced`): a
+replica cut off from Redis names its new files only locally, and while this replica is cut off or behind, or Redis
+lost its data less than a grace period ago, there is no sweep. ORPHAN_GRACE_SECONDS=0: no sweep.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -28,11 +31,11 @@ log = logging.getLogger("lpcache.orphans")
 SWEEP_MIN_SECONDS = 30.0
 
 
-def unnamed_files(folders: Iterable[str], named: Callable[[str], bool], grace: float,
-                  now: float) -> list[tuple[str, str]]:
+def unnamed_files(folders: Iterable[str], named: Callable[[str], bool], grace: float, now: float,
+                  before: float = math.inf) -> list[tuple[str, str]]:
     """(folder, name) of the regular files named like a prefix cache in `folders` that `named` does not know and
-    nothing wrote for `grace` seconds (by their mtime against `now`, wall clock). A folder lpcache cannot read is
-    passed over."""
+    nothing wrote for `grace` seconds nor since `before` (by their mtime against `now`, wall clock). A folder
+    lpcache cannot read is passed over."""
     found = []
     for folder in folders:
         try:
@@ -41,21 +44,26 @@ def unnamed_files(folders: Iterable[str], named: Callable[[str], bool], grace: f
                     if not valid_key(e.name) or named(e.name) or not e.is_file(follow_symlinks=False):
                         continue
                     with contextlib.suppress(OSError):
-                        if now - e.stat(follow_symlinks=False).st_mtime >= grace:
+                        if untouched(e.stat(follow_symlinks=False).st_mtime, grace, now, before):
                             found.append((folder, e.name))
         except OSError:
             continue
     return found
 
 
-def remove_unnamed(found: Iterable[tuple[str, str]], grace: float, removed: list[tuple[str, int]]) -> None:
-    """Delete each file of `found` still untouched for `grace` seconds (looked at again: a save may have begun
-    since the scan); what went is added to `removed` as (path, bytes)."""
+def untouched(mtime: float, grace: float, now: float, before: float) -> bool:
+    return now - mtime >= grace and mtime < before
+
+
+def remove_unnamed(found: Iterable[tuple[str, str]], grace: float, removed: list[tuple[str, int]],
+                   before: float = math.inf) -> None:
+    """Delete each file of `found` still untouched for `grace` seconds and since `before` (looked at again: a save
+    may have begun since the scan); what went is added to `removed` as (path, bytes)."""
     for folder, name in found:
         path = os.path.join(folder, name)
         try:
             st = os.stat(path, follow_symlinks=False)
-            if time.time() - st.st_mtime < grace:
+            if not untouched(st.st_mtime, grace, time.time(), before):
                 continue
             os.unlink(path)
         except OSError:
@@ -66,13 +74,14 @@ def remove_unnamed(found: Iterable[tuple[str, str]], grace: float, removed: list
 
 
 class OrphanSweeper:
-    """Runs `sweep` (the index's `sweep_orphans`) every `grace / 4` seconds (SWEEP_MIN_SECONDS at least) while
-    `ready` (the index knows every replica's entries)."""
+    """Runs `sweep` (the index's `sweep_orphans`) every `grace / 4` seconds (SWEEP_MIN_SECONDS at least), on the
+    files written before `horizon(grace)` (with Redis: `Fleet.sweep_horizon`; None: not now)."""
 
-    def __init__(self, sweep: Callable[[float], Awaitable[object]], grace: float, ready: Callable[[], bool]) -> None:
+    def __init__(self, sweep: Callable[[float, float], Awaitable[object]], grace: float,
+                 horizon: Callable[[float], Awaitable[float | None]] | None = None) -> None:
         self.sweep = sweep
         self.grace = grace
-        self.ready = ready
+        self.horizon = horizon
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -85,13 +94,19 @@ class OrphanSweeper:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
+    async def once(self) -> bool:
+        """One sweep, when the horizon allows; whether it ran."""
+        before = math.inf if self.horizon is None else await self.horizon(self.grace)
+        if before is None:
+            return False
+        await self.sweep(self.grace, before)
+        return True
+
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(max(self.grace / 4, SWEEP_MIN_SECONDS))   # a period, not synchronisation
-            if not self.ready():
-                continue
             try:
-                await self.sweep(self.grace)
+                await self.once()
             except asyncio.CancelledError:
                 raise
             except Exception:   # a sweep that failed is tried at the next period

@@ -385,9 +385,9 @@ def create_app(settings: Settings, plugins: Loaded | None = None) -> Starlette:
                 await plugin.start()
             prober = Prober(backends, lambda b, old: pool.add(b.slots(start=old)))
             prober.start()
-            fleet_of = app.state.pipeline.fleet   # with Redis: no sweep while the index may miss another's entries
+            fleet_of = app.state.pipeline.fleet   # with Redis: only files every replica's entries are known for
             sweeper = OrphanSweeper(index.sweep_orphans, settings.orphan_grace_seconds,
-                                    lambda: fleet_of is None or fleet_of.healthy)
+                                    None if fleet_of is None else fleet_of.sweep_horizon)
             sweeper.start()
             app.state.loop = asyncio.get_running_loop()
             log.info("app_start version=%s backends=%s slots=%d meta_entries=%d plugins=%s %s", __version__,

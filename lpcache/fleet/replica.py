@@ -46,6 +46,7 @@ from lpcache.fleet.leases import COUNTER, PREFIX, Holder, Lease, Leases, drift
 from lpcache.fleet.publishing import Publishing
 from lpcache.fleet.shared_map import CALL_TIMEOUT, SharedMap, connect
 from lpcache.fleet.slot_state import CLAIM, RELEASE, REPUBLISH, content_doc, content_of, pending_doc, text, trusted
+from lpcache.fleet.synced import SyncedTimes
 
 log = logging.getLogger("lpcache.fleet")
 
@@ -110,6 +111,7 @@ class Fleet(Publishing):
         # again is the one gap in the slots' exclusion (docs/scale-out.md, Failures)
         self.map = SharedMap(self.client, NAMESPACES, replica, self.on_change, on_reconnect=self.republish,
                              prefix=prefix, own_applied=("slots",), gather=0.02, backoff=(0.1, 1.0))
+        self.synced = SyncedTimes(self.client, prefix, replica)
         self._claim = self.client.register_script(CLAIM)
         self._republish = self.client.register_script(REPUBLISH)
         self._release = self.client.register_script(RELEASE)
@@ -129,6 +131,7 @@ class Fleet(Publishing):
         self.stats = FleetStats()
         index.publish = self.entry_changed
         index.in_use_elsewhere = self.files_in_use
+        index.named_elsewhere = self.names
         sessions.on_saved = self.session_saved
         speeds.on_learnt = self.speeds_learnt
         pool.claims = self
@@ -147,6 +150,15 @@ class Fleet(Publishing):
     @property
     def healthy(self) -> bool:
         return self.map.healthy
+
+    async def sweep_horizon(self, grace: float) -> float | None:
+        """Before when the orphan sweep may judge files (`synced`); None: no sweep now."""
+        return await self.synced.horizon(grace, self.healthy and not self._unpublished and not self._index_out)
+
+    def names(self, key: str) -> bool:
+        """Whether the shared index has an entry named `key`, one this replica could read or not (a newer
+        lpcache's): its file is no orphan."""
+        return self.map.get("index", key) is not None
 
     async def start(self) -> None:
         """Load the shared map (every replica's entries join the local index), then add this replica's own entries

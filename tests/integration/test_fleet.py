@@ -999,3 +999,43 @@ async def test_a_file_another_replicas_entry_names_is_no_orphan_and_one_nobody_n
     finally:
         await a.stop()
         await b.stop()
+
+
+async def test_the_sweep_judges_only_files_every_replica_had_published_its_entries_for(
+        redis_server: RedisServer, tmp_path: Any) -> None:
+    """Replica B cut off from Redis (its link only) goes on saving; A's sweep keeps what B may name only locally
+    (written after B was last in sync), an entry A cannot read (a newer lpcache's), and sweeps nothing while A is
+    cut off itself or Redis lost its data less than a grace period ago; a file written before every replica's last
+    sync that nobody names goes."""
+    import time
+
+    import redis as redis_sync
+
+    from lpcache.fleet.synced import SINCE
+
+    folder = tmp_path / "slots"
+    folder.mkdir()
+    grace, now = 600.0, time.time()
+    a, b = await _fleets(redis_server, tmp_path, 2, folder=str(folder))
+    try:
+        a.index._folders.add(str(folder))   # as MetaIndex(slot_save_paths=BACKENDS folders) in the app
+        assert await a.sweep_horizon(grace) is None, "the registry is new: the replicas may still be writing again"
+        files = {name: folder / (name * 64) for name in "abc"}
+        for name, age in (("a", 1000), ("b", 2100), ("c", 2100)):
+            files[name].write_bytes(b"kv")
+            os.utime(files[name], (now - age, now - age))
+        with redis_sync.Redis.from_url(redis_server.url) as r:
+            r.hset("lpcache:synced", mapping={SINCE: now - 5000, "r1": now - 2000})   # B: in sync 2,000 s ago
+        b.map._went_down(OSError("partition: B cannot reach Redis"))
+        await a.map.put("index", "c" * 64, b'{"format": "a newer lpcache\'s"}')
+        before = await a.sweep_horizon(grace)
+        assert before is not None and before < now - 2000
+        assert await a.index.sweep_orphans(grace, before) == 1
+        assert [n for n, f in files.items() if f.exists()] == ["a", "c"], \
+            "a: B may name it; c: an entry A cannot read names it; b: nobody, before B's last sync"
+        # A cut off itself: no sweep
+        a.map._went_down(OSError("partition: A cannot reach Redis"))
+        assert await a.sweep_horizon(grace) is None
+    finally:
+        await a.stop()
+        await b.stop()

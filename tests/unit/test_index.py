@@ -929,3 +929,24 @@ async def test_files_no_entry_names_go_once_untouched_for_the_grace_period(make_
     assert idx.orphans_removed == 2
     assert sum("reason=orphan" in r.message for r in caplog.records) == 2
     assert await idx.sweep_orphans(600.0) == 0
+
+
+async def test_the_sweep_judges_only_files_written_before_its_horizon(make_index, folders) -> None:
+    """`before`: up to when every replica's entries are known (`fleet.synced`); a later file may be named only in
+    a replica cut off from Redis. The sweeper does not sweep when its horizon says not now."""
+    from lpcache.cache.orphans import OrphanSweeper
+
+    a_dir, _ = folders
+    idx = make_index(wpb=2, slot_save_paths=[a_dir])
+    now = time.time()
+    early, late = kv_file(a_dir, "a" * 64), kv_file(a_dir, "b" * 64)
+    os.utime(early, (now - 3600, now - 3600))
+    os.utime(late, (now - 1800, now - 1800))
+    horizons: list[float | None] = [None, now - 2000]
+
+    async def horizon(grace: float) -> float | None:
+        return horizons.pop(0)
+
+    sweeper = OrphanSweeper(idx.sweep_orphans, 600.0, horizon)
+    assert not await sweeper.once() and exists(early) and exists(late)
+    assert await sweeper.once() and not exists(early) and exists(late)
