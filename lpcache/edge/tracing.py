@@ -9,7 +9,8 @@ request log).
 
 Off unless `TRACING=on`, or `TRACING=auto` (the default) and the standard OpenTelemetry variables ask for traces
 (`OTEL_EXPORTER_OTLP_ENDPOINT`, `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, or `OTEL_TRACES_EXPORTER` naming an exporter);
-`OTEL_SDK_DISABLED=true` or `OTEL_TRACES_EXPORTER=none` keeps it off. Off, the SDK is never imported. The exporter
+`OTEL_SDK_DISABLED=true`, or an `OTEL_TRACES_EXPORTER` that names none lpcache has (`none`, `zipkin`), keeps it
+off. Off, lpcache does not import the SDK. The exporter
 is OTLP over HTTP (protobuf), configured by the usual `OTEL_EXPORTER_OTLP_*` variables, or `console`.
 """
 
@@ -17,8 +18,10 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
 from lpcache.backends.admission import CLASSES
 from lpcache.config.version import __version__
@@ -32,12 +35,26 @@ OPERATIONS = {"chat": "chat", "responses": "chat", "messages": "chat", "completi
               "infill": "text_completion"}
 
 
+EXPORTERS = ("otlp", "console")   # the exporters lpcache has
+FLUSH_SECONDS = 3.0               # the most a shutdown waits for the last spans to go (a collector gone: dropped)
+
+
+def exporter_names(env: Mapping[str, str]) -> tuple[list[str], list[str]]:
+    """(the exporters OTEL_TRACES_EXPORTER names that lpcache has, those it has not); `otlp` when unset."""
+    names = [e.strip().lower() for e in env.get("OTEL_TRACES_EXPORTER", "").split(",") if e.strip()] or ["otlp"]
+    return [n for n in names if n in EXPORTERS], [n for n in names if n not in EXPORTERS and n != "none"]
+
+
 def wanted(setting: str, env: Mapping[str, str]) -> bool:
-    """Whether traces are on: `TRACING` (on, off, auto) and the standard variables (see the module's docstring)."""
+    """Whether traces are on: `TRACING` (on, off, auto) and the standard variables (see the module's docstring).
+    Off too when OTEL_TRACES_EXPORTER names no exporter lpcache has (`none`, or only `zipkin`: spans made for
+    nowhere would cost for nothing)."""
     if setting == "off" or env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return False
-    exporters = [e.strip().lower() for e in env.get("OTEL_TRACES_EXPORTER", "").split(",") if e.strip()]
-    if exporters == ["none"]:
+    known, unknown = exporter_names(env)
+    if not known:
+        if unknown:
+            log.warning("tracing_off exporters=%s: not ones lpcache has (otlp, console); no traces", ",".join(unknown))
         return False
     return setting == "on" or any(env.get(name, "").strip() for name in ASKING)
 
@@ -52,13 +69,18 @@ class Tracing:
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-        attributes: dict[str, Any] = {"service.version": __version__}
-        if not env.get("OTEL_SERVICE_NAME") and "service.name=" not in env.get("OTEL_RESOURCE_ATTRIBUTES", ""):
+        # lpcache's defaults; the OTEL_* variables' own values win (Resource.create lets these override them)
+        given = {part.split("=", 1)[0].strip() for part in env.get("OTEL_RESOURCE_ATTRIBUTES", "").split(",")}
+        attributes: dict[str, Any] = {} if "service.version" in given else {"service.version": __version__}
+        if not env.get("OTEL_SERVICE_NAME") and "service.name" not in given:
             attributes["service.name"] = "lpcache"
         self.provider = TracerProvider(resource=Resource.create(attributes))
-        names = [e.strip().lower() for e in env.get("OTEL_TRACES_EXPORTER", "otlp").split(",") if e.strip()]
+        names, unknown = exporter_names(env)
+        if unknown:
+            log.warning("tracing_exporter exporters=%s: not ones lpcache has (otlp, console); ignored",
+                        ",".join(unknown))
         exporters: list[SpanExporter] = []
-        for name in names or ["otlp"]:
+        for name in names:
             if name == "otlp":
                 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
@@ -67,15 +89,13 @@ class Tracing:
                     log.warning("tracing_protocol protocol=%s: lpcache exports OTLP over HTTP (http/protobuf) only; "
                                 "point OTEL_EXPORTER_OTLP_ENDPOINT at the collector's HTTP port (4318)", protocol)
                 exporters.append(OTLPSpanExporter())
-            elif name == "console":
+            else:
                 exporters.append(ConsoleSpanExporter())
-            elif name != "none":
-                log.warning("tracing_exporter exporter=%s: not one lpcache has (otlp, console); ignored", name)
         for exporter in exporters:
             self.provider.add_span_processor(BatchSpanProcessor(exporter))
         self.tracer = self.provider.get_tracer("lpcache", __version__)
         self.propagator = TraceContextTextMapPropagator()
-        log.info("tracing_on exporters=%s", ",".join(names or ["otlp"]))
+        log.info("tracing_on exporters=%s", ",".join(names))
 
     def observe(self, record: RequestRecord) -> None:
         """Export the request's spans (an observer: called once the request is over, saves included)."""
@@ -114,8 +134,13 @@ class Tracing:
         record.trace_id = format(root.get_span_context().trace_id, "032x")
 
     def shutdown(self) -> None:
-        """Export what is left (at shutdown)."""
-        self.provider.shutdown()
+        """Export what is left (at shutdown), for FLUSH_SECONDS at most: a collector that is gone does not hold
+        the shutdown for the exporter's timeout (10 s by default, each batch)."""
+        flush = threading.Thread(target=self.provider.shutdown, name="lpcache-tracing-flush", daemon=True)
+        flush.start()
+        flush.join(FLUSH_SECONDS)
+        if flush.is_alive():
+            log.warning("tracing_flush_timeout seconds=%g: the last spans were not all exported", FLUSH_SECONDS)
 
 
 def request_attributes(record: RequestRecord) -> dict[str, Any]:
@@ -149,8 +174,20 @@ def step_attributes(step: Step, record: RequestRecord) -> dict[str, Any]:
                            "gen_ai.provider.name": "llama.cpp", "gen_ai.request.model": record.model,
                            "gen_ai.usage.input_tokens": record.prompt_tokens,
                            "gen_ai.usage.output_tokens": record.completion_tokens,
-                           "server.address": record.backend})
+                           **_server(record.backend)})
     return attributes
+
+
+def _server(url: str | None) -> dict[str, Any]:
+    """`server.address` (the host) and `server.port` of a backend's URL."""
+    if not url:
+        return {}
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    return {"server.address": parts.hostname, "server.port": port or (443 if parts.scheme == "https" else 80)}
 
 
 def _attributes(values: Mapping[str, Any]) -> dict[str, Any]:

@@ -211,6 +211,13 @@ class Attempts:
         if record.gen_ms is not None:
             record.step("generation", generated, end, completion_tokens=record.completion_tokens)
 
+    def note_failed_call(self, error: ProxyError) -> None:
+        """A call to llama-server that failed (no answer, an error answer, an answer broken before the client got
+        a byte): a step of its own, marked failed, so a trace shows each try."""
+        if self.sent:
+            self.record.step("llama_server", self.sent_ns, ok=False, backend=self.record.backend,
+                             slot=self.record.slot, status=error.status, error=error.message[:200])
+
     def held_blocks(self, choice: Choice) -> int:
         """Identity blocks of the prompt the slot held before the request was sent."""
         if self.record.restored and self.record.restore_exact and choice.restore is not None:
@@ -292,6 +299,7 @@ class Attempts:
                     lease.keep()   # the server is computing: `cancelled` gives the slot back once it let go
                 raise
             except BackendError as e:
+                self.note_failed_call(e)
                 if self.sent:   # the backend's own error answer: passed on, not retried
                     if e.status >= 500 and e.status != 501:
                         backend.failed(f"HTTP {e.status}: {e.message}", down=False)
@@ -317,6 +325,7 @@ class Attempts:
             self.record.reason = "backend_unreachable"
             raise error
         backend, slot = self.backend, self.choice.slot
+        self.note_failed_call(error)
         backend.failed(error.message)
         self._release(None)
         self.failed.add(slot)

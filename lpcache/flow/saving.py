@@ -280,6 +280,8 @@ class Saver:
                 return replace(content, saved=True)
             log.warning("slot_save_failed key=%s slot=%s attempt=%d/%d status=%s reason=%r", content.key[:16],
                         slot.name, attempt, attempts, result.status, result.error)
+            record.step("save", now_ns() - round(result.ms * 1e6), ok=False, file=content.key, attempt=attempt,
+                        status=result.status or None, error=result.error[:200])
             slot_files_off(backend, result)
             if attempt < attempts and retryable(result):
                 await asyncio.sleep(self.settings.save_retry_delay_ms / 1000.0)

@@ -89,3 +89,25 @@ def test_a_coalesced_request_shows_its_wait_for_the_first_ones_answer(
     assert step.attributes == {"leader_failed": False}
     [span] = [s for s in receiver.wait_for(1, "coalesced") if s.trace_id == follower.trace_id]
     assert follower.elapsed_ms is not None and 0.5 * follower.elapsed_ms <= span.ms <= follower.elapsed_ms
+
+
+def test_a_failed_call_and_a_failed_save_have_spans_of_their_own_marked_failed(
+        start_backend: Any, start_proxy: Any, receiver: OtlpReceiver) -> None:
+    """Backend 0 drops every connection: the try on it is a failed `llama_server` span, the try on backend 1 an
+    ordinary one; backend 1 refuses the save (500, no retry left): a failed `save` span."""
+    import httpx
+
+    a, b = start_backend(slots=1), start_backend(slots=1)
+    proxy = start_proxy(a, b, save_retries=0)
+    httpx.post(f"{a.url}/mock/faults", json={"drop": 100}).raise_for_status()
+    httpx.post(f"{b.url}/mock/faults", json={"save_status": 500, "save_fail_count": 1}).raise_for_status()
+    r = proxy.push(user(words(1, 300)), {"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"})
+    assert r.status_code == 200 and r.headers["x-lpcache-slot"].startswith("1:")
+    proxy.wait_finished(1)
+    receiver.wait_for(1, "POST /v1/chat/completions")
+    spans = [s for s in receiver.wait_for(1 + 8) if s.trace_id == TRACE_ID]
+    calls = sorted((s for s in spans if s.name == "llama_server"), key=lambda s: s.start_ns)
+    assert [c.status for c in calls] == [2, 0], calls
+    assert calls[0].attributes["lpcache.ok"] is False and calls[0].attributes["lpcache.backend"].endswith(a.url[-5:])
+    [save] = [s for s in spans if s.name == "save"]
+    assert save.status == 2 and save.attributes["lpcache.status"] == 500, save

@@ -24,6 +24,10 @@ MS = 1_000_000
     ("on", {}, True),
     ("on", {"OTEL_SDK_DISABLED": "true"}, False),
     ("off", {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"}, False),
+    # an exporter lpcache has not (zipkin) alone: spans for nowhere, so off; with one it has: on
+    ("auto", {"OTEL_TRACES_EXPORTER": "zipkin", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"}, False),
+    ("on", {"OTEL_TRACES_EXPORTER": "zipkin"}, False),
+    ("auto", {"OTEL_TRACES_EXPORTER": "zipkin,console"}, True),
 ])
 def test_tracing_is_on_only_when_asked(setting: str, env: dict[str, str], on: bool) -> None:
     assert wanted(setting, env) is on
@@ -121,3 +125,49 @@ def test_a_step_of_no_length_nests_under_the_step_it_happens_in_not_beside_it() 
     call, root = spans["llama_server"].context.span_id, spans["POST /v1/chat/completions"].context.span_id
     assert {name: s.parent.span_id for name, s in spans.items() if s.parent} == {
         "llama_server": root, "prefill": call, "generation": call, "save": root}
+
+
+def test_the_llama_server_span_names_the_servers_host_and_port() -> None:
+    tracing, exporter = traced()
+    record = restored_record()
+    record.backend = "http://gpu-box.internal:8080"
+    tracing.observe(record)
+    [call] = [s for s in exporter.get_finished_spans() if s.name == "llama_server"]
+    assert call.attributes is not None
+    assert (call.attributes["server.address"], call.attributes["server.port"]) == ("gpu-box.internal", 8080)
+
+
+def test_the_resource_attributes_the_user_sets_win_over_lpcaches_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "service.version=canary-7,deployment.environment=prod")
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
+    tracing = Tracing(os.environ)
+    attributes = tracing.provider.resource.attributes
+    assert attributes["service.version"] == "canary-7" and attributes["service.name"] == "lpcache"
+    assert attributes["deployment.environment"] == "prod"
+
+
+def test_a_shutdown_does_not_wait_on_a_collector_that_does_not_answer(monkeypatch: pytest.MonkeyPatch,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """A collector that takes the connection and never answers: the last spans are given up after FLUSH_SECONDS,
+    said in the log, not after the exporter's own timeout (10 s a batch)."""
+    import socket
+    import threading
+
+    import lpcache.edge.tracing as tracing_module
+
+    monkeypatch.setattr(tracing_module, "FLUSH_SECONDS", 0.2)
+    silent = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    threading.Thread(target=lambda: held.append(silent.accept()[0]), daemon=True).start()
+    port = silent.getsockname()[1]
+    tracing = Tracing({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{port}/v1/traces",
+                       "OTEL_EXPORTER_OTLP_TIMEOUT": "30"})
+    tracing.observe(restored_record())
+    with caplog.at_level("WARNING", logger="lpcache.tracing"):
+        tracing.shutdown()
+    assert "tracing_flush_timeout" in caplog.text
+    silent.close()
+    for conn in held:
+        conn.close()
