@@ -27,6 +27,13 @@ log = logging.getLogger("lpcache.slot_truth")
 SLOTS_TRUSTED_FOR = 1.0  # seconds after a backend's last answer during which what its slots hold is not re-checked
 
 
+def trusted(backend: Backend) -> bool:
+    """Whether what lpcache believes the backend's slots hold goes unchecked now: it answered within
+    SLOTS_TRUSTED_FOR, and nothing made it suspect since."""
+    return (not backend.suspect and backend.last_seen > 0.0
+            and time.monotonic() - backend.last_seen <= SLOTS_TRUSTED_FOR)
+
+
 class SlotTruth:
     def __init__(self, backends: Sequence[Backend], pool: SlotPool) -> None:
         self.backends = list(backends)

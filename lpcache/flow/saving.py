@@ -24,6 +24,7 @@ from lpcache.backends.llama import SlotAction
 from lpcache.backends.placement import Choice
 from lpcache.backends.router_models import RouterModels
 from lpcache.backends.slot_pool import Lease, SlotPool
+from lpcache.backends.slot_truth import trusted
 from lpcache.backends.slots import Content, Slot
 from lpcache.cache.index import MetaIndex
 from lpcache.cache.meta_files import prefix_file
@@ -337,6 +338,13 @@ class Saver:
         except asyncio.CancelledError:
             self.index.unmark(held.key)
             raise
+        if result.ok and held.session is None and not swap.holds(backend.client, slot.id, held,
+                                                                 result.count("n_saved")):
+            # saved on a belief not asked again (`idle_and_marked`): the slot held something else, not this cache
+            await self.index.forget(held.key, backend.config.slot_save_path)
+            if slot.content is held:
+                slot.content = None
+            return False
         self.saved_held(backend, slot, held, result, record)
         return result.ok
 
@@ -351,6 +359,12 @@ class Saver:
         if held.session is not None or self.ring is not None:
             idle, tokens = await swap.idle_tokens(client, slot.id, model)
             return idle, tokens, False
+        if trusted(backend):
+            # What the slot holds is believed without asking (as `slot_truth` does for the choice of a slot): the
+            # save's own count (`n_saved`) is checked instead, and a file of other content is deleted. A slot still
+            # finishing lpcache's last answer defers the save on the server until it is idle.
+            await self.index.saving(held.key, backend.config.slot_save_path)
+            return True, None, True
         started = time.monotonic()
         mark = asyncio.ensure_future(self.index.saving(held.key, backend.config.slot_save_path))   # see `save`
         try:

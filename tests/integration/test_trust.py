@@ -415,9 +415,10 @@ def test_an_unsaved_cache_is_saved_only_from_an_idle_slot_that_holds_it(start_ba
                                                                         slot_dir: str, foreign: str,
                                                                         caplog: Any) -> None:
     """A client pins slot 0 directly (not through lpcache) while it holds an unsaved prefix cache (SAVE_POLICY=evict):
-    the next request's save of that cache is marked while the server is first asked about the slot; the slot is
-    busy (`running`: the mark is given back and the slot waited for, nothing sent to it meanwhile) or holds the
-    foreign request's tokens (`done`): nothing is saved under the cache's name, and no marker is left behind."""
+    the next request's save of that cache finds the slot busy (`running`) or holding the foreign request's tokens
+    (`done`). Within the trust window (lpcache's last answer came less than a second ago) the save is sent without
+    asking first, and the server runs it once the slot is idle; past it, the server is asked and the mark given
+    back while the slot is busy. Either way nothing is kept under the cache's name, and no marker is left behind."""
     backend = start_backend(slots=1, gen_ms_per_token=10)
     proxy = start_proxy(backend, save_policy="evict")
     a = proxy.push(user(words(1, 200)), max_tokens=2)
@@ -447,4 +448,32 @@ def test_an_unsaved_cache_is_saved_only_from_an_idle_slot_that_holds_it(start_ba
     assert any("save_skipped_not_held" in m and held.key in m for m in caplog.messages), caplog.messages
     assert held.key not in proxy.pipeline.index and not os.path.exists(os.path.join(slot_dir, held.key))
     assert not [n for n in os.listdir(proxy.settings.meta_dir) if n.endswith(".saving")]
-    assert mock_stats(backend)["slot_actions_while_busy"] == 0   # nothing was sent while the slot was busy
+    assert mock_stats(backend)["saves"] <= 1   # at most the one the server ran once the slot was idle
+
+
+def test_a_cache_saved_when_its_slot_is_needed_is_checked_by_the_saves_count_not_a_question_first(
+        start_backend: Any, start_proxy: Any) -> None:
+    """Past META_MAX a cache waits in its slot and is saved when the slot is needed (`save_deferred`). Within the
+    trust window (the server answered lpcache less than a second ago) lpcache does not ask `GET /slots` first: the
+    save's own token count tells whether the slot held that cache. Here a client that pinned the slot behind
+    lpcache's back changed it: the file written is deleted, and no entry names it."""
+    import os
+
+    backend = start_backend(slots=1, prefill_ms_per_token=PREFILL)
+    proxy = start_proxy(backend, meta_max=1, big_threshold_words=100)
+    send(proxy, chats.request(700, 260))              # saved: the index is full now
+    send(proxy, chats.request(701, 260))              # waits unsaved in the slot
+    [slot] = proxy.pipeline.pool.slots
+    waiting = slot.content
+    assert waiting is not None and waiting.dirty and waiting.key not in proxy.pipeline.index
+    behind = httpx.post(f"{backend.url}/v1/chat/completions", json={**chats.request(702, 120), "id_slot": 0},
+                        timeout=30)
+    assert behind.status_code == 200
+    asked = mock_stats(backend)["requests_by_path"].get("/slots", 0)
+    r = send(proxy, chats.request(703, 260))          # needs the slot: the waiting cache is saved first
+    assert r.status_code == 200
+    assert mock_stats(backend)["requests_by_path"].get("/slots", 0) == asked, "no GET /slots on the way"
+    assert waiting.key not in proxy.pipeline.index
+    proxy.settle()
+    assert not os.path.exists(os.path.join(backend.app_state.config.slot_save_path, waiting.key)), \
+        "the file of another conversation's tokens is gone"
