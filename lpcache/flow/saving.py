@@ -353,8 +353,8 @@ class Saver:
         """Wait until the server says the slot is idle, and what it holds then (`swap.idle_tokens`); a prefix cache
         that keeps its own name (no ring of names) has its save marked (`index.saving`) while the server is first
         asked, rather than after: both are waited for on the way of the request that needs the slot; within the
-        trust window (`slot_truth.trusted`) it is not asked at all, and the save's count is checked after it. A slot busy at
-        that first look gives the mark back and is waited for as `idle_tokens` waits (polled every
+        trust window (`slot_truth.trusted`) it is not asked at all, and the save's count is checked after it. A slot
+        busy at that first look gives the mark back and is waited for as `idle_tokens` waits (polled every
         IDLE_POLL_SECONDS, IDLE_WAIT_SECONDS at most from the first look). Returns (idle, tokens, marked)."""
         client = backend.client
         if held.session is not None or self.ring is not None:
