@@ -33,6 +33,7 @@ CHAT_PATH = "/v1/chat/completions"
 
 KEEPALIVE_SECONDS = 4.0    # below llama-server's own idle keep-alive (5 s)
 STALE_RETRIES = 16         # resends at once while pooled connections turn out closed (a restarted server's all are)
+STALE_BREAK_SECONDS = 0.2  # a pooled connection found closed breaks within milliseconds; later, the server had worked
 ERROR_BODY_SECONDS = 10.0  # an error answer's body comes with its headers: longer is a stalled server
 
 # What aiohttp or the OS raise when a connection fails or a read times out.
@@ -256,10 +257,11 @@ class LlamaClient:
         return upstream
 
     async def slot_action(self, slot: int, action: str, filename: str | None = None,
-                          model: str | None = None) -> SlotAction:
+                          model: str | None = None, timeout: float | None = None) -> SlotAction:
         """save, restore or erase. A failure is an answer (ok False), never an exception: a cache miss must only
         cost a prefill. `model`: on a router, the model whose slot it is (the router reads it from the body); a
-        save there never loads a model the router has unloaded (`autoload=false`)."""
+        save there never loads a model the router has unloaded (`autoload=false`). `timeout`: seconds, else
+        REQUEST_TIMEOUT (the server runs the action once the slot is idle)."""
         payload: dict[str, Any] = {"filename": filename} if filename is not None else {}
         params = {"action": action}
         if model is not None:
@@ -269,7 +271,8 @@ class LlamaClient:
         started = time.perf_counter()
         try:
             async with await self._send("POST", f"/slots/{slot}", params=params, data=orjson.dumps(payload),
-                                        headers={**self.headers, "Content-Type": "application/json"}) as resp:
+                                        headers={**self.headers, "Content-Type": "application/json"},
+                                        timeout=aiohttp.ClientTimeout(total=timeout) if timeout else None) as resp:
                 raw = await resp.read()
                 status = resp.status
         except BackendUnreachable as e:
@@ -336,22 +339,26 @@ class LlamaClient:
 
     async def _send(self, method: str, path: str, *, timeout: aiohttp.ClientTimeout | None = None,
                     **kwargs: Any) -> Upstream:
-        """Send a request; the answer's headers are in. A pooled connection that breaks before any answer (the
-        server closed it: its keep-alive ran out just as it was taken, or the server was restarted and every pooled
-        connection to it is dead) is no failure of the server: the request goes again at once, generations too, to
-        the same slot, until it goes out on a connection the server opened for it (then a break is the server's:
-        unreachable, the caller fails over). A request llama-server had read when its connection broke is cancelled
-        there (it stops a task whose connection closed), so one answer is made. Such connections are rare: lpcache
-        keeps connections idle for less than llama-server's keep-alive, and closes a streamed answer's."""
+        """Send a request; the answer's headers are in. A pooled connection that breaks at once, before any answer
+        (the server closed it: its keep-alive ran out just as it was taken, or the server was restarted and every
+        pooled connection to it is dead) is no failure of the server: the request goes again at once, generations
+        too, to the same slot, until it goes out on a connection the server opened for it (then a break is the
+        server's: unreachable, the caller fails over). One that breaks later (STALE_BREAK_SECONDS) broke while the
+        server worked on the request (it died, a balancer cut it): unreachable too, so a generation is never run
+        once per pooled connection. Such connections are rare: lpcache keeps connections idle for less than
+        llama-server's keep-alive, and closes a streamed answer's."""
         stale = 0
         while True:
             pooled = {"reused": False}
+            sent = time.monotonic()
             try:
                 response = await self.session.request(method, self.url + path, timeout=timeout or self.timeout,
                                                       allow_redirects=False, trace_request_ctx=pooled, **kwargs)
                 return Upstream(response, self.url)
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
-                if pooled["reused"] and stale < STALE_RETRIES and not isinstance(e, aiohttp.ClientConnectorError):
+                at_once = time.monotonic() - sent < STALE_BREAK_SECONDS
+                if pooled["reused"] and at_once and stale < STALE_RETRIES and \
+                        not isinstance(e, aiohttp.ClientConnectorError):
                     stale += 1
                     log.info("stale_connection url=%s path=%s: a pooled connection was closed by the server; "
                              "sent again at once", self.url, path.split("?", 1)[0])

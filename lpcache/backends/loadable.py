@@ -11,10 +11,12 @@ Two things the model's identity does not tell:
   for every layout is that a longer file of it is no smaller and has no more bytes per token. So per model identity a
   server's saves are kept as samples (the latest of each length's power of two), and a file is not offered there when
   it breaks that rule against one of them by more than LAYOUT_TOLERANCE: a q8_0 file is smaller than an f16 save of
-  fewer tokens, or has fewer bytes per token than an f16 save of more tokens. A restore the server refuses of a file
-  that is present ("invalid slot save file") voids the samples (the server may have been restarted with another
-  cache type, found so before its first save) and marks that file's bytes per token as not this server's until a
-  save shows a layout again, so one failed restore stops the other files of the old type.
+  fewer tokens, or has fewer bytes per token than an f16 save of more tokens. The server's one message for a refused
+  restore ("no available space in KV cache or invalid slot save file") also covers a unified KV cache with no room
+  left and a file it cannot open, so a refused file that fits the samples is first taken for such a cause; a second
+  one before the next save (or one that breaks the rule, or one after a restart) voids the samples (the server was
+  restarted with another cache type, found so before its first save) and marks that file's bytes per token as not
+  this server's until a save shows a layout again, so the other files of the old type are not tried.
 - **The slot's context.** A file holding more tokens than the slot's context (`n_ctx` per slot: `/props`'
   `default_generation_settings`, and per slot in `GET /slots`, which may differ between slots) cannot be loaded.
 
@@ -61,6 +63,7 @@ class Layout:
 
     samples: dict[int, Sample] = field(default_factory=dict)
     refused: list[float] = field(default_factory=list)
+    doubted: bool = False   # a file that fits the samples was refused since the last save
 
     def loads(self, tokens: int | None, size: int | None) -> bool:
         bytes_per_token = per_token(tokens, size)
@@ -74,6 +77,7 @@ class Layout:
         if not all(consistent((tokens, size), s) for s in self.samples.values()):
             self.samples.clear()   # the server saves in another layout now (restarted with another cache type)
         self.samples[tokens.bit_length()] = (tokens, size)
+        self.doubted = False
         bytes_per_token = size / tokens
         self.refused = [r for r in self.refused if not same_layout(r, bytes_per_token)]
 
@@ -93,23 +97,32 @@ class Loadable:
         self.layouts.setdefault(fingerprint, Layout()).saved(tokens, size)
 
     def refused(self, entry: MetaEntry) -> bool:
-        """The server refused to load a present file that fits the slot ("invalid slot save file"): the file's
-        layout is taken for not this server's, and what its saves showed is in doubt (it may have been restarted
-        with another cache type) until a save shows it again. A file refused for another cause (a broken one) costs
-        the others of its layout no more than waiting for the server's next save. True when the file told its
-        layout."""
+        """The server refused to load a present file that fits the slot ("invalid slot save file"). A file that fits
+        what the server's saves showed is first taken for another cause (no room in a unified KV cache, a file it
+        cannot open): the samples stand. Otherwise (or at the second such refusal before a save) the file's layout
+        is taken for not this server's, and what its saves showed is in doubt (it may have been restarted with
+        another cache type) until a save shows it again. True when the file told its layout."""
         bytes_per_token = per_token(entry.n_tokens, entry.size)
-        if entry.fingerprint is None or bytes_per_token is None:
+        if entry.fingerprint is None or bytes_per_token is None or entry.n_tokens is None or entry.size is None:
             return False
         layout = self.layouts.setdefault(entry.fingerprint, Layout())
+        like_saves = all(consistent((entry.n_tokens, entry.size), s) for s in layout.samples.values())
+        if layout.samples and like_saves and not layout.doubted:
+            layout.doubted = True
+            return False
         layout.samples.clear()
+        layout.doubted = False
         if not any(same_layout(bytes_per_token, r) for r in layout.refused):
             layout.refused = [*layout.refused, bytes_per_token][-REFUSED_KEPT:]
         return True
 
     def restarted(self) -> None:
-        """The server was (re)started: its slots' contexts are read again (`GET /slots`, `/props`)."""
+        """The server was (re)started: its slots' contexts are read again (`GET /slots`, `/props`), and its layout
+        is known again from its next save (it may have another cache type now)."""
         self.slot_ctx.clear()
+        for layout in self.layouts.values():
+            layout.samples.clear()
+            layout.doubted = False
 
     def context(self, model: str | None, slot_id: int) -> int | None:
         return self.slot_ctx.get((model, slot_id), self.n_ctx)

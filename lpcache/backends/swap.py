@@ -148,10 +148,11 @@ async def decoded(client: LlamaClient, slot: int, model: str | None = None) -> i
 
 
 async def save(client: LlamaClient, slot: int, content: Content, folders: Folders | None,
-               model: str | None = None, keep: frozenset[str] = frozenset()) -> tuple[SlotAction, tuple[str, ...]]:
+               model: str | None = None, keep: frozenset[str] = frozenset(),
+               timeout: float | None = None) -> tuple[SlotAction, tuple[str, ...]]:
     """Save the slot under `content.key`; after a session's save, apply its route's limits (never deleting the
     file just saved nor those in `keep`). Returns the server's answer and the files deleted."""
-    result = await client.slot_action(slot, "save", content.key, model=model)
+    result = await client.slot_action(slot, "save", content.key, model=model, timeout=timeout)
     log.info("slot_save url=%s slot=%d file=%s model=%s: %s", client.url, slot, content.key, model or "-",
              describe(result))
     deleted: tuple[str, ...] = ()

@@ -402,16 +402,19 @@ class MetaIndex(MetaFiles, IndexLimits):
 
     async def forget(self, key: str, slot_save_path: str | None) -> None:
         """After a failed save: the server writes in place, so the file `<key>` may be partial. Drop its meta and
-        the file, so nothing ever restores it."""
+        the file, so nothing ever restores it (an entry of the name in another server's folder stands)."""
         entry = self._entries.get(key)
-        if entry is not None:
+        elsewhere = entry is not None and bool(slot_save_path) and bool(entry.slot_save_path) \
+            and entry.slot_save_path != slot_save_path
+        if entry is not None and not elsewhere:
             self._remove(entry)
         self._saving.discard(key)
         if slot_save_path:
             self._folders.add(slot_save_path)
 
         def delete() -> None:
-            _unlink(self._meta_path(key))
+            if not elsewhere:
+                _unlink(self._meta_path(key))
             _unlink(self._marker_path(key))
             path = inside(slot_save_path, key) if slot_save_path else None
             if path is not None and _unlink(path):

@@ -36,12 +36,14 @@ OPERATIONS = {"chat": "chat", "responses": "chat", "messages": "chat", "completi
 
 
 EXPORTERS = ("otlp", "console")   # the exporters lpcache has
+OTLP_NAMES = ("otlp_proto_http",)   # the SDK's own name of otlp over HTTP, the transport lpcache sends with
 FLUSH_SECONDS = 3.0               # the most a shutdown waits for the last spans to go (a collector gone: dropped)
 
 
 def exporter_names(env: Mapping[str, str]) -> tuple[list[str], list[str]]:
     """(the exporters OTEL_TRACES_EXPORTER names that lpcache has, those it has not); `otlp` when unset."""
     names = [e.strip().lower() for e in env.get("OTEL_TRACES_EXPORTER", "").split(",") if e.strip()] or ["otlp"]
+    names = list(dict.fromkeys("otlp" if n in OTLP_NAMES else n for n in names))
     return [n for n in names if n in EXPORTERS], [n for n in names if n not in EXPORTERS and n != "none"]
 
 

@@ -152,7 +152,13 @@ class Fleet(Publishing):
         return self.map.healthy
 
     async def sweep_horizon(self, grace: float) -> float | None:
-        """Before when the orphan sweep may judge files (`synced`); None: no sweep now."""
+        """Before when the orphan sweep may judge files (`synced`); None: no sweep now. What failed to be written
+        while Redis stayed up (one call timed out) is written first: no reconnect would."""
+        if self.healthy and self._unpublished:
+            try:
+                await self.publish_failed()
+            except (SharedStoreDown, RedisError, OSError) as e:
+                log.info("sweep_waits: what failed to be written to Redis still is (%s)", e)
         return await self.synced.horizon(grace, self.healthy and not self._unpublished and not self._index_out)
 
     def names(self, key: str) -> bool:

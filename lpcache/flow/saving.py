@@ -290,8 +290,10 @@ class Saver:
                 break
         record.saved = False
         record.reason = record.reason or "save_failed"
-        # The server writes in place: a failed save may have left a partial file under this name.
-        await self.index.forget(content.key, backend.config.slot_save_path)
+        if result is None or retryable(result):   # the server writes in place: a partial file may be left
+            await self.index.forget(content.key, backend.config.slot_save_path)
+        else:                   # refused: nothing written
+            self.index.unsaving(content.key)
         return content
 
     def file_worth(self, backend: Backend, model: str, result: SlotAction) -> float | None:
@@ -333,20 +335,28 @@ class Saver:
             slot.content = held = renamed
         if held.session is None and not marked:
             await self.index.saving(held.key, backend.config.slot_save_path)   # reconciled at start if we stop here
+        believed = marked and tokens is None   # not asked (`idle_and_marked`): bounded, and checked by its count
         try:
-            result, _ = await swap.save(backend.client, slot.id, held, self.folders[backend.index], model)
+            result, _ = await swap.save(backend.client, slot.id, held, self.folders[backend.index], model,
+                                        timeout=self.believed_save_seconds(backend, held) if believed else None)
         except asyncio.CancelledError:
             self.index.unmark(held.key)
             raise
         if result.ok and held.session is None and not swap.holds(backend.client, slot.id, held,
                                                                  result.count("n_saved")):
-            # saved on a belief not asked again (`idle_and_marked`): the slot held something else, not this cache
-            await self.index.forget(held.key, backend.config.slot_save_path)
+            # the slot held something else, not this cache: the file is of other content (deleted: `saved_held`)
+            result = replace(result, ok=False, body={**result.body, "error": "the slot held other content"})
             if slot.content is held:
                 slot.content = None
-            return False
         self.saved_held(backend, slot, held, result, record)
         return result.ok
+
+    def believed_save_seconds(self, backend: Backend, held: Content) -> float:
+        """A save sent on belief waits for the slot like a look at it would (IDLE_WAIT_SECONDS: a slot busy with
+        work lpcache did not send is not waited for longer), plus its own writing time, generously."""
+        speeds = self.speeds.of(backend.index, RouterModels.served(backend, held.model))
+        writing = speeds.save.seconds(held.tokens or 0)
+        return swap.IDLE_WAIT_SECONDS * (1 if writing is not None else 2) + 4 * (writing or 0.0)
 
     async def idle_and_marked(self, backend: Backend, slot: Slot, held: Content,
                               model: str | None) -> tuple[bool, int | None, bool]:
@@ -360,11 +370,16 @@ class Saver:
         if held.session is not None or self.ring is not None:
             idle, tokens = await swap.idle_tokens(client, slot.id, model)
             return idle, tokens, False
-        if trusted(backend):
+        if trusted(backend) and held.key not in self.index:
             # What the slot holds is believed without asking (as `slot_truth` does for the choice of a slot): the
-            # save's own count (`n_saved`) is checked instead, and a file of other content is deleted. A slot still
-            # finishing lpcache's last answer defers the save on the server until it is idle.
-            await self.index.saving(held.key, backend.config.slot_save_path)
+            # save's own count (`n_saved`) is checked instead, and a file of other content is deleted (so never
+            # over a file an entry names). A slot still finishing lpcache's last answer defers the save on the
+            # server until it is idle.
+            try:
+                await self.index.saving(held.key, backend.config.slot_save_path)
+            except BaseException:
+                self.index.unsaving(held.key)
+                raise
             return True, None, True
         started = time.monotonic()
         mark = asyncio.ensure_future(self.index.saving(held.key, backend.config.slot_save_path))   # see `save`
@@ -411,8 +426,10 @@ class Saver:
                 self.spawn(self.index.add(held.prompt, held.key, backend.url, path, held.fingerprint,
                                           result.count("n_saved"), n_written,
                                           self.file_worth(backend, held.model, result)))
+        elif held.session is None and (result.status == 200 or retryable(result)):   # a file of other content,
+            self.spawn(self.index.forget(held.key, path))                           # or maybe a partial one
         elif held.session is None:
-            self.spawn(self.index.forget(held.key, path))
+            self.index.unsaving(held.key)   # refused (400, 404, 501): nothing written, an older file stands
 
     # ---- outside requests: idle, shutdown, a router about to unload ----
 

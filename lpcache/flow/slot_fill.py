@@ -448,9 +448,8 @@ class SlotFiller:
             record.restore_lost = True
             self.seeds.outcome(choice.seed, record, False)
             log.warning("restore_lost key=%s slot=%s: the chosen cache's file is gone (%s); the slot keeps what it "
-                        "holds and the prompt is computed", entry.key[:16], slot.name,
-                        "its entry was removed" if seed is None and entry.key not in self.index
-                        else "not in the folder")
+                        "holds", entry.key[:16], slot.name,
+                        "no entry" if seed is None and entry.key not in self.index else "no file")
             if seed is None and entry.key in self.index:
                 await self.index.discard_if_stale(entry.key)
             return
@@ -492,6 +491,8 @@ class SlotFiller:
                 slot.content = previous
                 log.info("restore_back key=%s slot=%s: the slot holds its previous cache again", previous.key[:16],
                          slot.name)
+            elif back.unreadable_file and (was := self.index.get(previous.key)) is not None:
+                backend.loadable.refused(was)   # a second refusal like it before a save: its layout is not the server's
 
     def note_restore(self, backend: Backend, model: str, result: SlotAction, record: RequestRecord) -> None:
         """A restore's answer, in the record and (when it worked) in the backend's restore speed."""

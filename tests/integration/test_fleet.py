@@ -1039,3 +1039,39 @@ async def test_the_sweep_judges_only_files_every_replica_had_published_its_entri
     finally:
         await a.stop()
         await b.stop()
+
+
+async def test_a_write_that_failed_while_redis_stayed_up_is_written_before_the_next_sweep(
+        redis_server: RedisServer, tmp_path: Any) -> None:
+    """One shared write failing (a timeout while Redis stalled) with the link staying up brings no reconnect and no
+    republish: the replica writes it again itself at its next sweep, and is in sync again (else it would never
+    sweep, and after GONE_AFTER the others would take it for gone)."""
+    import time
+
+    import redis as redis_sync
+    from redis.exceptions import TimeoutError as RedisTimeout
+
+    from lpcache.fleet.synced import SINCE
+
+    grace, now = 600.0, time.time()
+    folder = tmp_path / "slots"
+    folder.mkdir()
+    a, b = await _fleets(redis_server, tmp_path, 2, folder=str(folder))
+    try:
+        with redis_sync.Redis.from_url(redis_server.url) as r:
+            r.hset("lpcache:synced", mapping={SINCE: now - 5000})
+        assert await b.sweep_horizon(grace) is not None
+        written = b.map._script
+
+        async def stalled(*args: Any, **kwargs: Any) -> Any:
+            raise RedisTimeout("Timeout reading from socket")
+
+        b.map._script = stalled
+        await b._write("index", "d" * 64, b'{"format": "a newer lpcache\'s"}')
+        b.map._script = written
+        assert b.map.healthy and b._unpublished, "one failed call: the link is still up, nothing to reconnect"
+        assert await b.sweep_horizon(grace) is not None
+        assert not b._unpublished
+    finally:
+        await a.stop()
+        await b.stop()

@@ -252,12 +252,12 @@ _WRITERS: set[asyncio.StreamWriter] = set()   # the open connections of every `_
 
 
 async def _llama_like(close_after_stream: bool = True, drop_second: bool = False, drop_first: bool = False,
-                      port: int = 0) -> tuple[asyncio.Server, list[int], list[bytes]]:
+                      port: int = 0, work: float = 0.0) -> tuple[asyncio.Server, list[int], list[bytes]]:
     """A raw HTTP server answering chat requests as llama-server b11434 does: keep-alive, but a streamed answer's
     connection is closed after its last event (saying so only when the request asked for it: cpp-httplib echoes a
     request's `Connection: close`). `drop_second` (`drop_first`): a connection's second (first) request is read and
-    the connection closed without an answer. Returns the server, one entry per connection, and each request line
-    read."""
+    the connection closed without an answer, after `work` seconds spent on it. Returns the server, one entry per
+    connection, and each request line read."""
     connections: list[int] = []
     requests: list[bytes] = []
 
@@ -270,6 +270,7 @@ async def _llama_like(close_after_stream: bool = True, drop_second: bool = False
                 head, body = await read_request(reader)
                 requests.append(head.split(b"\r\n", 1)[0])
                 if (drop_second and served) or drop_first:
+                    await asyncio.sleep(work)   # the server works on it, then the connection breaks
                     break
                 served += 1
                 if b'"stream":true' in body:
@@ -372,5 +373,28 @@ def test_a_generation_after_a_server_restart_passes_every_dead_pooled_connection
             await one()
             again.close()
         assert len(requests) == 1 and len(connections) == 1, (requests, connections)
+
+    asyncio.run(run())
+
+
+def test_a_generation_that_broke_after_the_server_worked_on_it_is_not_sent_again() -> None:
+    """A break long after sending (the server died mid-generation, a balancer cut an idle-looking answer) is the
+    server's failure: the generation is not run once more per pooled connection."""
+    async def run() -> None:
+        server, connections, requests = await _llama_like(drop_second=True, work=1.0)
+        port = server.sockets[0].getsockname()[1]
+        body = {"messages": [{"role": "user", "content": "hi"}]}
+        async with client_session() as session:
+            client = LlamaClient(f"http://127.0.0.1:{port}", session, timeout=5.0)
+
+            async def one() -> None:
+                upstream = await client.chat(dict(body), 0)
+                await upstream.read()
+                upstream.release()
+            await asyncio.gather(*(one() for _ in range(4)))   # four connections pooled, each with one answer
+            with pytest.raises(BackendUnreachable):
+                await client.chat(dict(body), 0)
+        server.close()
+        assert len(connections) == 4 and len(requests) == 5, (connections, requests)
 
     asyncio.run(run())

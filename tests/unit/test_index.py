@@ -620,6 +620,18 @@ async def test_forget_deletes_meta_and_kv_file(make_index, folders) -> None:
     assert idx.find(p) is None
 
 
+async def test_a_failed_save_in_another_servers_folder_leaves_the_entry_of_the_name_here(make_index, folders) -> None:
+    """Server B's save of a name failed (its partial file goes); server A's file of that name, and its entry, stand."""
+    a_dir, b_dir = folders
+    idx = make_index(wpb=2, slot_save_paths=[a_dir, b_dir])
+    p = prompt(text(6))
+    await idx.add(p, URL, a_dir)
+    kv_a, kv_b = kv_file(a_dir, p.key), kv_file(b_dir, p.key)
+    await idx.forget(p.key, b_dir)
+    assert p.key in idx and meta_exists(idx, p.key) and exists(kv_a) and not exists(kv_b)
+    assert idx.find(p) is not None
+
+
 async def test_forget_unknown_key_deletes_partial_kv_file(make_index, folders) -> None:
     a_dir, _ = folders
     idx = make_index(wpb=2)

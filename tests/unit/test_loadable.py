@@ -45,8 +45,35 @@ def test_a_refused_layout_is_not_offered_until_a_save_shows_it_again() -> None:
     assert not loads.fits(older, None, 0) and loads.fits(entry(300, int(300 * Q8)), None, 0)
     loads.saved("fp", 40, int(40 * F16))   # the server was switched back to f16
     assert loads.fits(older, None, 0)
-    # refused in the layout its saves showed: the server was restarted with another type since
+    # refused twice in the layout its saves showed: the server was restarted with another type since
+    assert not loads.refused(older) and loads.fits(older, None, 0), "once: maybe no room, a file it cannot open"
     assert loads.refused(older) and not loads.fits(older, None, 0) and loads.fits(entry(300, int(300 * Q8)), None, 0)
+
+
+def test_one_refusal_of_a_file_like_the_servers_saves_hides_none_of_them() -> None:
+    """llama-server answers "no available space in KV cache or invalid slot save file" also when a unified KV cache
+    has no room left or it cannot open the file: one such refusal is no news of the layout; a save in between clears
+    the doubt, so refusals spread out never hide the server's own files."""
+    loads = Loadable()
+    for saved in SMOL_F16:
+        loads.saved("fp", *saved)
+    own = [entry(t, b) for t, b in SMOL_F16]
+    assert not loads.refused(own[2])
+    assert all(loads.fits(e, None, 0) for e in own)
+    loads.saved("fp", *SMOL_F16[1])
+    assert not loads.refused(own[3]) and all(loads.fits(e, None, 0) for e in own)
+    q8 = entry(*SMOL_Q8[2])
+    assert not loads.fits(q8, None, 0)
+
+
+def test_after_a_restart_one_refusal_tells_the_layout() -> None:
+    """A server seen down may come back with another cache type: what its saves showed before is void."""
+    loads = Loadable()
+    for saved in SMOL_F16:
+        loads.saved("fp", *saved)
+    loads.restarted()
+    assert loads.refused(entry(*SMOL_F16[2]))
+    assert not loads.fits(entry(*SMOL_F16[4]), None, 0) and loads.fits(entry(*SMOL_Q8[4]), None, 0)
 
 
 def test_a_file_larger_than_the_slots_context_is_not_offered_there() -> None:

@@ -28,6 +28,9 @@ MS = 1_000_000
     ("auto", {"OTEL_TRACES_EXPORTER": "zipkin", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"}, False),
     ("on", {"OTEL_TRACES_EXPORTER": "zipkin"}, False),
     ("auto", {"OTEL_TRACES_EXPORTER": "zipkin,console"}, True),
+    # the SDK's name of otlp over HTTP is otlp; over gRPC, a transport lpcache has not
+    ("on", {"OTEL_TRACES_EXPORTER": "otlp_proto_http"}, True),
+    ("on", {"OTEL_TRACES_EXPORTER": "otlp_proto_grpc"}, False),
 ])
 def test_tracing_is_on_only_when_asked(setting: str, env: dict[str, str], on: bool) -> None:
     assert wanted(setting, env) is on
@@ -171,3 +174,10 @@ def test_a_shutdown_does_not_wait_on_a_collector_that_does_not_answer(monkeypatc
     silent.close()
     for conn in held:
         conn.close()
+
+
+def test_the_sdks_name_of_otlp_over_http_is_lpcaches_otlp_once() -> None:
+    from lpcache.edge.tracing import exporter_names
+
+    assert exporter_names({"OTEL_TRACES_EXPORTER": "otlp_proto_http,otlp"}) == (["otlp"], [])
+    assert exporter_names({"OTEL_TRACES_EXPORTER": "OTLP_PROTO_GRPC"}) == ([], ["otlp_proto_grpc"])
