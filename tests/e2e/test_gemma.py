@@ -58,9 +58,10 @@ def proxy_for(server: LlamaServer, tmp_path: Path) -> Iterator[tuple[Proxy, Coun
     client = proxy.pipeline.backends[0].client
     real = client.slot_action
 
-    async def counted(slot: int, action: str, filename: str | None = None, model: str | None = None) -> Any:
+    async def counted(slot: int, action: str, filename: str | None = None, model: str | None = None,
+                      timeout: float | None = None) -> Any:
         sent[action] += 1
-        return await real(slot, action, filename, model)
+        return await real(slot, action, filename, model, timeout)
 
     client.slot_action = counted  # type: ignore[method-assign]
     try:
