@@ -378,6 +378,12 @@ def check(rows: list[Row], work: Path) -> dict[str, Any]:
                     if i < min(len(live), len(steps)):
                         top = {t["id"]: t["logprob"] for t in steps[i]["top_logprobs"]}
                         r.margin = round(steps[i]["logprob"] - top[live[i]], 4) if live[i] in top else None
+                    elif i == len(live) < len(steps):
+                        # The live text stops where the reference goes on: its next tokens are not in the text (the
+                        # server's tool-call parser holds back a partial `<tool_call>`, or the answer ended), so
+                        # the margin is the reference's pick over its runner-up there.
+                        others = [t["logprob"] for t in steps[i]["top_logprobs"] if t["id"] != steps[i]["id"]]
+                        r.margin = round(steps[i]["logprob"] - max(others), 4) if others else None
                     r.verdict = "near tie" if r.margin is not None and r.margin <= NEAR else "unexplained"
     finally:
         for server in refs.values():
