@@ -69,9 +69,9 @@ class Layout:
         bytes_per_token = per_token(tokens, size)
         if bytes_per_token is None or tokens is None or size is None:
             return True
-        if self.samples:
-            return all(consistent((tokens, size), s) for s in self.samples.values())
-        return not any(same_layout(bytes_per_token, r) for r in self.refused)
+        if any(same_layout(bytes_per_token, r) for r in self.refused):
+            return False
+        return all(consistent((tokens, size), s) for s in self.samples.values())
 
     def saved(self, tokens: int, size: int) -> None:
         if not all(consistent((tokens, size), s) for s in self.samples.values()):
@@ -106,7 +106,8 @@ class Loadable:
         if entry.fingerprint is None or bytes_per_token is None or entry.n_tokens is None or entry.size is None:
             return False
         layout = self.layouts.setdefault(entry.fingerprint, Layout())
-        like_saves = all(consistent((entry.n_tokens, entry.size), s) for s in layout.samples.values())
+        like_saves = all(consistent((entry.n_tokens, entry.size), s) for s in layout.samples.values()) \
+            and not any(same_layout(bytes_per_token, r) for r in layout.refused)
         if layout.samples and like_saves and not layout.doubted:
             layout.doubted = True
             return False
@@ -115,6 +116,12 @@ class Loadable:
         if not any(same_layout(bytes_per_token, r) for r in layout.refused):
             layout.refused = [*layout.refused, bytes_per_token][-REFUSED_KEPT:]
         return True
+
+    def restored(self, fingerprint: str | None) -> None:
+        """The server loaded a file of this model: a refusal before it was no news of the layout either."""
+        layout = self.layouts.get(fingerprint) if fingerprint is not None else None
+        if layout is not None:
+            layout.doubted = False
 
     def restarted(self) -> None:
         """The server was (re)started: its slots' contexts are read again (`GET /slots`, `/props`), and its layout

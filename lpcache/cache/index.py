@@ -404,8 +404,7 @@ class MetaIndex(MetaFiles, IndexLimits):
         """After a failed save: the server writes in place, so the file `<key>` may be partial. Drop its meta and
         the file, so nothing ever restores it (an entry of the name in another server's folder stands)."""
         entry = self._entries.get(key)
-        elsewhere = entry is not None and bool(slot_save_path) and bool(entry.slot_save_path) \
-            and entry.slot_save_path != slot_save_path
+        elsewhere = entry is not None and bool(entry.slot_save_path) and entry.slot_save_path != slot_save_path
         if entry is not None and not elsewhere:
             self._remove(entry)
         self._saving.discard(key)

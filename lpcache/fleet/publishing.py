@@ -181,12 +181,16 @@ class Publishing:
     async def publish_failed(self) -> None:
         """Write again what failed to be written (Redis down, or one call that timed out while it stayed up)."""
         for ns, key in sorted(self._unpublished):
-            if ns == "index":
-                found = await asyncio.to_thread(self.index.document, key)
-                await (self.map.put(ns, key, found) if found is not None else self.map.delete(ns, key))
-            elif ns == "sessions" and (known := self.sessions.get(key)) is not None:
-                self.session_saved(known)
-            self._unpublished.discard((ns, key))
+            self._unpublished.discard((ns, key))   # before the write: a failure meanwhile marks it again
+            try:
+                if ns == "index":
+                    found = await asyncio.to_thread(self.index.document, key)
+                    await (self.map.put(ns, key, found) if found is not None else self.map.delete(ns, key))
+                elif ns == "sessions" and (known := self.sessions.get(key)) is not None:
+                    self.session_saved(known)
+            except BaseException:
+                self._unpublished.add((ns, key))
+                raise
 
     async def _leases_lost(self) -> None:
         """Redis lost its data, the leases with it. This replica's requests still in a slot take their leases

@@ -353,10 +353,12 @@ class Saver:
 
     def believed_save_seconds(self, backend: Backend, held: Content) -> float:
         """A save sent on belief waits for the slot like a look at it would (IDLE_WAIT_SECONDS: a slot busy with
-        work lpcache did not send is not waited for longer), plus its own writing time, generously."""
+        work lpcache did not send is not waited for longer), plus its own writing time, generously; never longer
+        than any call to the server (REQUEST_TIMEOUT)."""
         speeds = self.speeds.of(backend.index, RouterModels.served(backend, held.model))
         writing = speeds.save.seconds(held.tokens or 0)
-        return swap.IDLE_WAIT_SECONDS * (1 if writing is not None else 2) + 4 * (writing or 0.0)
+        bound = swap.IDLE_WAIT_SECONDS * (1 if writing is not None else 2) + 4 * (writing or 0.0)
+        return min(bound, backend.client.timeout.total or bound)
 
     async def idle_and_marked(self, backend: Backend, slot: Slot, held: Content,
                               model: str | None) -> tuple[bool, int | None, bool]:

@@ -473,6 +473,7 @@ class SlotFiller:
                                    tokens=result.count("n_restored"), fingerprint=entry.fingerprint,
                                    session=seed.session if seed is not None else None)
             record.cache_hit = candidate.exact
+            backend.loadable.restored(entry.fingerprint)   # a refusal before it was no news of the layout
             self.seeds.outcome(choice.seed, record, True)
             if seed is None:
                 self.saver.spawn(self.index.touch(entry.key))  # the file timestamp is rewritten off the path
@@ -489,8 +490,7 @@ class SlotFiller:
             back = await swap.restore_file(backend.client, slot.id, previous.key, model)
             if back.ok:
                 slot.content = previous
-                log.info("restore_back key=%s slot=%s: the slot holds its previous cache again", previous.key[:16],
-                         slot.name)
+                log.info("restore_back key=%s slot=%s: the slot holds its previous cache", previous.key[:16], slot.name)
             elif back.unreadable_file and (was := self.index.get(previous.key)) is not None:
                 backend.loadable.refused(was)   # a second refusal like it before a save: its layout is not the server's
 

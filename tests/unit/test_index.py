@@ -632,6 +632,17 @@ async def test_a_failed_save_in_another_servers_folder_leaves_the_entry_of_the_n
     assert idx.find(p) is not None
 
 
+async def test_a_failed_save_on_a_server_whose_folder_is_not_seen_leaves_the_entry_of_the_name_here(
+        make_index, folders) -> None:
+    a_dir, _ = folders
+    idx = make_index(wpb=2, slot_save_paths=[a_dir])
+    p = prompt(text(6))
+    await idx.add(p, URL, a_dir)
+    kv_a = kv_file(a_dir, p.key)
+    await idx.forget(p.key, None)
+    assert p.key in idx and meta_exists(idx, p.key) and exists(kv_a)
+
+
 async def test_forget_unknown_key_deletes_partial_kv_file(make_index, folders) -> None:
     a_dir, _ = folders
     idx = make_index(wpb=2)

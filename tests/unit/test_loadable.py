@@ -140,3 +140,27 @@ def test_a_slots_context_is_read_again_after_its_server_was_down() -> None:
     loads.slot_ctx[(None, 1)] = 1024
     loads.restarted()
     assert loads.context(None, 1) == 4096
+
+
+def test_a_layout_found_refused_gets_no_new_doubt_after_the_servers_next_save() -> None:
+    """Restarted from f16 to q8_0, the server saves long q8_0 caches, which short f16 files fit by the rule. Once the
+    f16 layout is found refused, a q8_0 save does not offer the f16 files again (each refusal clears the slot)."""
+    loads = Loadable()
+    for saved in SMOL_Q8[3:]:
+        loads.saved("fp", *saved)
+    old = entry(*SMOL_F16[2])
+    assert not loads.refused(old)          # once: maybe no room
+    assert loads.refused(old) and not loads.fits(old, None, 0)
+    loads.saved("fp", *SMOL_Q8[3])
+    assert not loads.fits(old, None, 0)
+    assert loads.refused(old), "a refusal of a layout known refused is no doubt"
+
+
+def test_a_restore_that_worked_clears_the_doubt_of_an_earlier_refusal() -> None:
+    loads = Loadable()
+    for saved in SMOL_F16:
+        loads.saved("fp", *saved)
+    own = entry(*SMOL_F16[2])
+    assert not loads.refused(own)
+    loads.restored("fp")
+    assert not loads.refused(own) and loads.fits(own, None, 0), "two refusals far apart, a restore between"
