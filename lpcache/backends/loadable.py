@@ -69,9 +69,13 @@ class Layout:
         bytes_per_token = per_token(tokens, size)
         if bytes_per_token is None or tokens is None or size is None:
             return True
-        if any(same_layout(bytes_per_token, r) for r in self.refused):
+        if self.refuses(bytes_per_token):
             return False
         return all(consistent((tokens, size), s) for s in self.samples.values())
+
+    def refuses(self, bytes_per_token: float) -> bool:
+        """A file of these bytes per token is of a layout the server refused since its last save of it."""
+        return any(same_layout(bytes_per_token, r) for r in self.refused)
 
     def saved(self, tokens: int, size: int) -> None:
         if not all(consistent((tokens, size), s) for s in self.samples.values()):
@@ -107,13 +111,13 @@ class Loadable:
             return False
         layout = self.layouts.setdefault(entry.fingerprint, Layout())
         like_saves = all(consistent((entry.n_tokens, entry.size), s) for s in layout.samples.values()) \
-            and not any(same_layout(bytes_per_token, r) for r in layout.refused)
+            and not layout.refuses(bytes_per_token)
         if layout.samples and like_saves and not layout.doubted:
             layout.doubted = True
             return False
         layout.samples.clear()
         layout.doubted = False
-        if not any(same_layout(bytes_per_token, r) for r in layout.refused):
+        if not layout.refuses(bytes_per_token):
             layout.refused = [*layout.refused, bytes_per_token][-REFUSED_KEPT:]
         return True
 

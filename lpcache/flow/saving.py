@@ -61,6 +61,12 @@ def retryable(result: SlotAction) -> bool:
     return not result.ok and (result.status == 0 or (result.status >= 500 and result.status != 501))
 
 
+def may_have_written(result: SlotAction) -> bool:
+    """A failed save that may have left a file under its name: one of other content (the slot held something else
+    than believed, `save_held`) or a partial one (no answer, a server error). A refusal wrote nothing."""
+    return result.status == 200 or retryable(result)
+
+
 def cache_file(backend: Backend, prompt: Prompt) -> str:
     """The name `prompt`'s prefix cache is saved under on `backend` (`prefix_file`: its key and the model's
     identity). What a request announces it will leave in its slot, so no replica's limits delete that name while
@@ -290,7 +296,7 @@ class Saver:
                 break
         record.saved = False
         record.reason = record.reason or "save_failed"
-        if result is None or retryable(result):   # the server writes in place: a partial file may be left
+        if result is None or may_have_written(result):   # the server writes in place: a partial file may be left
             await self.index.forget(content.key, backend.config.slot_save_path)
         else:                   # refused: nothing written
             self.index.unsaving(content.key)
@@ -428,8 +434,8 @@ class Saver:
                 self.spawn(self.index.add(held.prompt, held.key, backend.url, path, held.fingerprint,
                                           result.count("n_saved"), n_written,
                                           self.file_worth(backend, held.model, result)))
-        elif held.session is None and (result.status == 200 or retryable(result)):   # a file of other content,
-            self.spawn(self.index.forget(held.key, path))                           # or maybe a partial one
+        elif held.session is None and may_have_written(result):
+            self.spawn(self.index.forget(held.key, path))
         elif held.session is None:
             self.index.unsaving(held.key)   # refused (400, 404, 501): nothing written, an older file stands
 

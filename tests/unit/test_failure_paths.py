@@ -351,26 +351,28 @@ def test_a_generation_on_a_new_connection_that_breaks_is_not_sent_again() -> Non
     asyncio.run(run())
 
 
+async def _answered(client: LlamaClient) -> None:
+    """One plain chat request, its answer read and its connection given back to the pool."""
+    upstream = await client.chat({"messages": [{"role": "user", "content": "hi"}]}, 0)
+    await upstream.read()
+    upstream.release()
+
+
 def test_a_generation_after_a_server_restart_passes_every_dead_pooled_connection() -> None:
     """A restarted server leaves lpcache's pooled connections to it all dead: the first request after it is
     answered, not failed over (a one-slot server would answer 502)."""
     async def run() -> None:
         server, _, _ = await _llama_like()
         port = server.sockets[0].getsockname()[1]
-        body = {"messages": [{"role": "user", "content": "hi"}]}
         async with client_session() as session:
             client = LlamaClient(f"http://127.0.0.1:{port}", session, timeout=5.0)
 
-            async def one() -> None:
-                upstream = await client.chat(dict(body), 0)
-                await upstream.read()
-                upstream.release()
-            await asyncio.gather(*(one() for _ in range(4)))   # four connections pooled
+            await asyncio.gather(*(_answered(client) for _ in range(4)))   # four connections pooled
             server.close()
             for writer in list(_WRITERS):   # and every connection it had open
                 writer.close()
             again, connections, requests = await _llama_like(port=port)
-            await one()
+            await _answered(client)
             again.close()
         assert len(requests) == 1 and len(connections) == 1, (requests, connections)
 
@@ -383,17 +385,12 @@ def test_a_generation_that_broke_after_the_server_worked_on_it_is_not_sent_again
     async def run() -> None:
         server, connections, requests = await _llama_like(drop_second=True, work=1.0)
         port = server.sockets[0].getsockname()[1]
-        body = {"messages": [{"role": "user", "content": "hi"}]}
         async with client_session() as session:
             client = LlamaClient(f"http://127.0.0.1:{port}", session, timeout=5.0)
 
-            async def one() -> None:
-                upstream = await client.chat(dict(body), 0)
-                await upstream.read()
-                upstream.release()
-            await asyncio.gather(*(one() for _ in range(4)))   # four connections pooled, each with one answer
+            await asyncio.gather(*(_answered(client) for _ in range(4)))   # four pooled, each with an answer
             with pytest.raises(BackendUnreachable):
-                await client.chat(dict(body), 0)
+                await client.chat({"messages": [{"role": "user", "content": "hi"}]}, 0)
         server.close()
         assert len(connections) == 4 and len(requests) == 5, (connections, requests)
 
