@@ -368,10 +368,8 @@ class SlotFiller:
 
     async def prepare(self, choice: Choice, backend: Backend, prompt: Prompt, want: Content | None,
                       record: RequestRecord) -> None:
-        """Make the slot hold the best cache for the request before it is sent: in session mode swap the session
-        in; in prefix mode restore the chosen saved cache. Either way, what the slot holds is saved first when it
-        is worth keeping, unsaved (SAVE_POLICY=evict, or a small session request) or its file deleted by the limits
-        meanwhile, and about to be replaced."""
+        """Make the slot hold the best cache for the request before it is sent (session mode: swap the session in;
+        prefix mode: restore the chosen file), what it holds saved first when it is worth keeping and unsaved."""
         try:
             await self.routers.make_room(backend, prompt.model)
             if not self.enabled(backend, prompt.model):
@@ -382,11 +380,8 @@ class SlotFiller:
                 log.warning("slot_fill_skipped_lease slot=%s: the slot's lease lapsed", choice.slot.name)
                 choice.slot.content = None
                 return
-            if want is not None and choice.seed and choice.restore is not None:
-                # a session starting anew, seeded from a saved cache (`take_slot`): restored as in prefix mode,
-                # below; the slot holds the session's cache once the answer is in
-                pass
-            elif want is not None:
+            if want is not None and not (choice.seed and choice.restore is not None):
+                # (a session starting anew seeded from a saved cache, `take_slot`, is restored as in prefix mode)
                 if want.fingerprint is not None and backend.identity(route_name(prompt.model)) != want.fingerprint:
                     # this backend runs another model than the one the session's file was named for: never
                     # restore it here, and what the slot will hold is not that file's
@@ -528,16 +523,13 @@ class SlotFiller:
                 if restore and found is not None and found[1] >= gained:
                     file_tokens = speeds.tokens_of(gained)
             elif found is not None and info.saved_tokens:
-                # its file holds a prompt shorter than one identity block (an opening of a few words, a real chat's
-                # "hi", and its answer), so its chain says nothing, and the server held more of the session since
-                # (`found`): a turn left unsaved to the RAM. Restoring that file blindly threw the turn away (539 of
-                # 609 tokens computed again on a ShareGPT run); it is weighed by its tokens like any older file (a
-                # file another replica saved, whose tokens are not known here, is restored)
+                # its file holds less than one identity block (a chat's "hi" and its answer), so its chain says
+                # nothing, and the server held more of the session since (`found`: a turn left to the RAM). Restored
+                # blindly, it threw that turn away; it is weighed by its tokens like any older file
                 file_tokens = info.saved_tokens
             elif found is not None and slot.content is not None:
-                # no file to restore (none was worth saving): the server's RAM is the only place the prompt can come
-                # from, and what it does is seen for free, misses included (`RamWatch.miss_rate` says what a file
-                # would spare)
+                # no file (none was worth saving): the RAM is the only place the prompt can come from, and what it
+                # does is seen for free, misses included (`RamWatch.miss_rate`)
                 record.ram_expected = speeds.tokens_of(found[1])
             if file_tokens is not None and found is not None and slot.content is not None and \
                     self.rely_on_ram(backend, speeds, found[1], probe=True, file_tokens=file_tokens):
@@ -552,12 +544,13 @@ class SlotFiller:
         if not self.pool.ours(slot):
             slot.content = None
             return
-        if slot.content is not None and slot.content.dirty and slot.content.session is None:
-            await self.saver.index.saving(slot.content.key, backend.config.slot_save_path)   # may be saved here
+        marked = slot.content.key if slot.content is not None and slot.content.dirty and \
+            slot.content.session is None else None
+        if marked is not None:
+            await self.saver.index.saving(marked, backend.config.slot_save_path)   # may be saved here
 
         async def held_saved(so_far: swap.Swap) -> None:
-            # bring_in calls this right after any save of what the slot held: the bookkeeping is done here, before
-            # the hand-over wakes the requests that look for that file
+            # right after any save of what the slot held: bookkept before the hand-over wakes those who want it
             if so_far.saved is not None and slot.content is not None:
                 self.saver.saved_held(backend, slot, slot.content, so_far.saved, record)
             self.pool.handed_over(slot)
@@ -567,9 +560,16 @@ class SlotFiller:
                     await other.filling.wait()
 
         previous, idle_copied = slot.content, self.in_ram(backend, slot)
-        result = await swap.bring_in(backend.client, slot.id, slot.content, want, self.saver.folders[backend.index],
-                                     RouterModels.slot_model(backend, prompt.model), restore=restore, owned=True,
-                                     held_saved=held_saved)
+        try:
+            result = await swap.bring_in(backend.client, slot.id, slot.content, want, self.saver.folders[backend.index],
+                                         RouterModels.slot_model(backend, prompt.model), restore=restore, owned=True,
+                                         held_saved=held_saved)
+        except BaseException:
+            if marked is not None:
+                self.saver.index.unmark(marked)   # a save may have been sent: its marker stays for `reconcile`
+            raise
+        if marked is not None and result.saved is None:
+            self.saver.index.unsaving(marked)   # no save sent (the slot was busy, or held something else)
         slot.content = result.held
         restored = result.restored
         if restored is not None:

@@ -347,6 +347,34 @@ def test_slot_busy_with_a_foreign_request_is_waited_for(start_proxy: Any, start_
     assert mock_stats(backend)["slot_actions_while_busy"] == 0   # nothing was sent while the slot was busy
 
 
+def test_a_prefix_cache_a_session_could_not_save_is_not_left_marked(start_proxy: Any, start_backend: Any) -> None:
+    """A prefix cache left unsaved in slot 0 (SAVE_POLICY=evict) is marked as being saved when a session request
+    takes the slot; a client using slot 0 directly meanwhile leaves other tokens there, so nothing is saved: the
+    mark goes (the limits may delete that name again, and no `.saving` marker is left for the next start)."""
+    backend = start_backend(slots=1, gen_ms_per_token=20)
+    proxy = start_proxy(backend, save_policy="evict")
+    proxy.push(user(words(1, BIG)))
+    held = proxy.pipeline.pool.slots[0].content
+    assert held is not None and held.session is None and held.dirty
+    done = threading.Event()
+
+    def foreign() -> None:
+        httpx.post(f"{backend.url}/v1/chat/completions", timeout=30, json={
+            "messages": user("direct"), "max_tokens": 50, "id_slot": 0})
+        done.set()
+
+    thread = threading.Thread(target=foreign)
+    thread.start()
+    until(lambda: any(s.get("is_processing") for s in httpx.get(f"{backend.url}/slots").json()))
+    r = proxy.push(user(words(2, SMALL)), sid(S2))
+    thread.join()
+    assert r.status_code == 200 and done.is_set()
+    assert proxy.records[-1].swap_saved is None and mock_stats(backend)["saves"] == 0
+    index = proxy.pipeline.index
+    until(lambda: not os.path.exists(os.path.join(proxy.settings.meta_dir, held.key + ".saving")))
+    assert held.key not in index._saving
+
+
 def test_a_turn_sent_while_another_request_saves_its_session_restores_that_file(start_proxy: Any,
                                                                                  start_backend: Any) -> None:
     """S1's last turn (small: not saved after its answer) is in slot 0, the least recently used; S3 takes slot 0
