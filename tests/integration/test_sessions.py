@@ -321,14 +321,8 @@ def test_failed_restore_only_costs_a_prefill(start_proxy: Any, one_slot: Any, sl
     assert proxy.busy_slots() == []
 
 
-def test_slot_busy_with_a_foreign_request_is_waited_for(start_proxy: Any, start_backend: Any, caplog: Any) -> None:
-    """A client pins slot 0 directly (not through lpcache) while it holds session S1's unsaved cache: the swap for S2
-    waits until the slot is idle, and then does not save the slot under S1's name: it holds the foreign request's
-    tokens now, and S1's file would get another conversation."""
-    backend = start_backend(slots=1, gen_ms_per_token=20)
-    proxy = start_proxy(backend)
-    proxy.push(user(words(1, SMALL)), sid(S1))
-    # Another client uses the server directly: slot 0 generates for about a second.
+def _busy_directly(backend: Any) -> tuple[threading.Thread, threading.Event]:
+    """Another client uses the server directly: slot 0 generates for about a second (returned once it is busy)."""
     done = threading.Event()
 
     def foreign() -> None:
@@ -339,6 +333,17 @@ def test_slot_busy_with_a_foreign_request_is_waited_for(start_proxy: Any, start_
     thread = threading.Thread(target=foreign)
     thread.start()
     until(lambda: any(s.get("is_processing") for s in httpx.get(f"{backend.url}/slots").json()))
+    return thread, done
+
+
+def test_slot_busy_with_a_foreign_request_is_waited_for(start_proxy: Any, start_backend: Any, caplog: Any) -> None:
+    """A client pins slot 0 directly (not through lpcache) while it holds session S1's unsaved cache: the swap for S2
+    waits until the slot is idle, and then does not save the slot under S1's name: it holds the foreign request's
+    tokens now, and S1's file would get another conversation."""
+    backend = start_backend(slots=1, gen_ms_per_token=20)
+    proxy = start_proxy(backend)
+    proxy.push(user(words(1, SMALL)), sid(S1))
+    thread, done = _busy_directly(backend)
     r = proxy.push(user(words(2, SMALL)), sid(S2))        # a swap: S1 changed (small) would be saved, then S2's
     thread.join()
     assert r.status_code == 200 and done.is_set()
@@ -356,16 +361,7 @@ def test_a_prefix_cache_a_session_could_not_save_is_not_left_marked(start_proxy:
     proxy.push(user(words(1, BIG)))
     held = proxy.pipeline.pool.slots[0].content
     assert held is not None and held.session is None and held.dirty
-    done = threading.Event()
-
-    def foreign() -> None:
-        httpx.post(f"{backend.url}/v1/chat/completions", timeout=30, json={
-            "messages": user("direct"), "max_tokens": 50, "id_slot": 0})
-        done.set()
-
-    thread = threading.Thread(target=foreign)
-    thread.start()
-    until(lambda: any(s.get("is_processing") for s in httpx.get(f"{backend.url}/slots").json()))
+    thread, done = _busy_directly(backend)
     r = proxy.push(user(words(2, SMALL)), sid(S2))
     thread.join()
     assert r.status_code == 200 and done.is_set()
