@@ -115,7 +115,7 @@ QUICK_SETUPS = "alone-ram0,lpcache-defaults-ram0"
 SESSION_HEADER = "X-Session-ID"
 # lpcache's /metrics samples kept for a run: what it says about saves, restores, their files, and the prefill a
 # save would have spared (names read at run time: new ones show up without a change here).
-LPCACHE_KEEP = ("save", "restore", "slot_file", "missed", "decision", "skip", "session_ids", "need_rate")
+LPCACHE_KEEP = ("save", "restore", "slot_file", "missed", "decision", "skip", "session_ids", "need_rate", "unpinned")
 # A priori rates for the duration estimate, as full runs measured them on a quiet 2-core machine (SmolLM2-135M, 2
 # slots, 8 requests in flight: `alone-ram0` 43,662 prompt and 5,400 answer tokens in 236 s, lpcache 20,593 and as
 # many answer tokens in 136 s); other work on the cores made the same runs 5 to 10 times slower. Corrected after
@@ -1126,7 +1126,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     + (f"; slots idle between requests {_f(r['handover_idle_s'])} s in all, median "
                        f"{_f(r['handover_ms_p50'], 1)} ms" if r.get("handovers") else "")
                     + (f"; lpcache saves {_f(lp(r, 'lpcache_saves_total', {'result': 'ok'}), 0)}, restores "
-                       f"{_f(lp(r, 'lpcache_restores_total', {'result': 'ok'}), 0)}" if "lpcache" in r else ""))
+                       f"{_f(lp(r, 'lpcache_restores_total', {'result': 'ok'}), 0)}, sent unpinned "
+                       f"{_f(lp(r, 'lpcache_unpinned_requests_total'), 0)}" if "lpcache" in r else ""))
                 left = sum(estimates[i + 1:]) * (spent / expected if expected else 1.0)
                 if i + 1 < len(setups):
                     say(f"  {took / 60:.1f} minutes; about {left / 60:.0f} minutes left")

@@ -245,7 +245,8 @@ class Want:
     pays: Pays | None = None
     protect: Callable[[str], None] | None = None    # called with the candidate's key when one is chosen
     unprotect: Callable[[str], None] | None = None  # ... and when the slot is given back unused
-    warm: Callable[[], tuple[int, int, bool] | None] | None = None   # the server whose RAM likely holds it
+    # the server whose RAM likely holds it, weighed against the best saved file (`choose`'s candidate)
+    warm: Callable[[Candidate | None], tuple[int, int, bool] | None] | None = None
     kept: Callable[[str], bool] | None = None        # whether a cache's file is on disk
     mine: Callable[[Slot], bool] | None = None       # slots whose cache it may use (`choose`)
     answer_tokens: int | None = None                 # the request's max_tokens, when it says
@@ -255,8 +256,9 @@ class Want:
     file_of: Callable[[Slot], str] | None = None     # the name its prefix cache is saved under from a slot
 
     def choose(self, idle: Sequence[Slot], load: Mapping[int, int] | None = None) -> Choice:
-        choice = choose(idle, self.prompt, self.lookup(), None if self.seed else self.session, self.homes, self.pays,
-                        self.warm() if self.warm is not None else None, self.kept, load, self.mine)
+        candidate = self.lookup()
+        choice = choose(idle, self.prompt, candidate, None if self.seed else self.session, self.homes, self.pays,
+                        self.warm(candidate) if self.warm is not None else None, self.kept, load, self.mine)
         if choice.restore is not None and self.protect is not None:
             self.protect(choice.restore.entry.key)   # on the event loop, before anything else can prune it
         return choice

@@ -61,12 +61,17 @@ class SlotPool:
         self.kept: dict[str | None, Reserved] = {}   # shares kept for clients whose last slot came free
         self._reopen: asyncio.TimerHandle | None = None   # wakes the line when the first kept share runs out
         self.claims: Claims | None = None   # set with REDIS_URL
+        # `flow.unpinned`: a backend switching between pinned and unpinned requests hands out no slot (`closed`);
+        # one whose requests go unpinned gets no slot action of lpcache's own (`unpinned`); told of each release
+        self.closed: Callable[[int], bool] = lambda backend: False
+        self.unpinned: Callable[[int], bool] = lambda backend: False
+        self.released_hook: Callable[[int], None] = lambda backend: None
         # When a list (tests): (slot name, wall-clock time, "take" or "give") as this replica starts and stops
         # using a slot; with `claims`, "take" once the slot is claimed.
         self.trace: list[tuple[str, float, str]] | None = None
 
     def idle(self, allowed: Callable[[Slot], bool] | None = None) -> list[Slot]:
-        return [s for s in self.slots if not s.taken and (allowed is None or allowed(s))]
+        return [s for s in self.slots if not s.taken and not self.closed(s.backend) and (allowed is None or allowed(s))]
 
     def ours(self, slot: Slot) -> bool:
         """Whether this replica may still act on a slot it holds (restore into it, save from it): with `claims`,
@@ -341,6 +346,7 @@ class SlotPool:
             slot.content = content if isinstance(content, Content) else None
         if self.claims is not None:
             self.claims.released(slot)
+        self.released_hook(slot.backend)
         self.wake()
 
     async def until_released(self, slot: Slot, timeout: float) -> bool:
@@ -361,7 +367,7 @@ class SlotPool:
         """Take this slot for lpcache's own work (an idle save) when it is idle and no request waits for a slot
         (`force`: even then, for a save that cannot wait), and, with `claims`, no other replica holds it (the others
         are told the cache it `writes`: their limits keep that file while it is written)."""
-        if slot.taken or (self._waiters and not force):
+        if slot.taken or (self._waiters and not force) or self.closed(slot.backend) or self.unpinned(slot.backend):
             return False
         slot.busy = True
         if self.claims is not None:

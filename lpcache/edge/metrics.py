@@ -26,6 +26,7 @@ from lpcache.cache.worth import MISSED_KINDS
 from lpcache.config.version import __version__
 from lpcache.flow.record import RequestRecord
 from lpcache.flow.session_seed import SEED_SOURCES
+from lpcache.flow.unpinned import PINNING_STATES
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 BREAKER_STATES = ("closed", "open", "half_open")
@@ -49,15 +50,24 @@ class _Live(Collector):
         total = GaugeMetricFamily("lpcache_slots", "Slots lpcache knows", labels=["backend"])
         state = GaugeMetricFamily("lpcache_backend_circuit_state", "1 for the breaker's current state",
                                   labels=["backend", "state"])
+        pins = GaugeMetricFamily("lpcache_backend_pinning", "1 for the way requests go to the backend now: pinned to "
+                                 "a slot, or unpinned (the server's RAM cache serves every return, lpcache neither "
+                                 "saves nor restores: the server queues them itself), or switching",
+                                 labels=["backend", "state"])
         for b in p.backends:
             slots = [s for s in p.pool.slots if s.backend == b.index]
             busy.add_metric([b.url], sum(1 for s in slots if s.busy))
             total.add_metric([b.url], len(slots))
             for name in BREAKER_STATES:
                 state.add_metric([b.url, name], 1.0 if b.breaker.state == name else 0.0)
+            for name in PINNING_STATES:
+                pins.add_metric([b.url, name], 1.0 if p.unpinned.state.get(b.index) == name else 0.0)
         yield busy
         yield total
         yield state
+        yield pins
+        yield CounterMetricFamily("lpcache_unpinned_requests", "Requests sent without a slot pin while the "
+                                  "backend's requests went unpinned", value=p.unpinned.sent)
         yield GaugeMetricFamily("lpcache_waiting_requests", "Requests waiting for a slot", value=p.pool.waiting)
         by_class = p.pool.waiting_by_class()
         depth = GaugeMetricFamily("lpcache_queue_depth", "Requests waiting for a slot, by priority class",

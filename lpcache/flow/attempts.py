@@ -38,6 +38,7 @@ from lpcache.flow.record import RequestRecord, now_ns
 from lpcache.flow.relay import Headers, session_header
 from lpcache.flow.saving import Saver
 from lpcache.flow.slot_fill import SlotFiller
+from lpcache.flow.unpinned import UnpinnedMode
 
 log = logging.getLogger("lpcache.attempts")
 RETRY_MIN_SECONDS = 1.0   # the least time left worth another backend's try (less with a short REQUEST_TIMEOUT)
@@ -68,6 +69,7 @@ class Crew:
     answered: Callable[[ChatRequest, Answer, Sequence[Prefilter]], None]
     notify: Callable[[RequestRecord], None]
     spawn: Callable[[Coroutine[Any, Any, Any]], None]
+    unpinned: UnpinnedMode
 
 
 class Attempts:
@@ -95,6 +97,7 @@ class Attempts:
         self.group: Group | None = None     # when coalescing: the followers waiting for this answer
         self.tail: bytes | None = None      # how a broken stream ended for the client (`ended_with`)
         self.path = CHAT_PATH               # llama-server's route for the request (`apis.Call.upstream_path`)
+        self.unpinned: int | None = None    # the backend this try went to unpinned (`flow.unpinned`), until over
 
     # ---- what the relay uses ----
 
@@ -117,7 +120,8 @@ class Attempts:
 
     def headers(self) -> Headers:
         assert self.choice is not None and self.backend is not None
-        return [(b"x-lpcache-slot", f"{self.backend.index}:{self.choice.slot.id}".encode()),
+        slot = self.choice.slot.id if self.unpinned is None else -1   # -1: the server chose it (llama-server's "any")
+        return [(b"x-lpcache-slot", f"{self.backend.index}:{slot}".encode()),
                 (b"x-lpcache-restored", b"true" if self.record.restored else b"false"),
                 (b"x-lpcache-cache-hit", b"true" if self.record.cache_hit else b"false"),
                 *session_header(self.want.session if self.want is not None else None)]
@@ -146,6 +150,9 @@ class Attempts:
         if self.choice is not None:
             self.choice.slot.first_token_at = time.monotonic()
             self.p.pool.progressed(self.choice.slot)
+        if self.unpinned is not None and self.lease is not None:
+            # unpinned: the server queues the next request itself, so it is sent now, while this one generates
+            self.lease.give_back(None)
 
     def end_group(self, error: dict[str, Any] | None, status: int | None = None) -> None:
         """Tell the followers the answer is complete (error None) or failed, and let a new group start."""
@@ -162,7 +169,7 @@ class Attempts:
     def generated(self) -> None:
         """The backend's answer is read whole: what is left of the slot's use is bookkeeping (a save), soon done,
         so a request that wants this slot may wait for it."""
-        if self.choice is not None:
+        if self.choice is not None and self.lease is not None and not self.lease.returned:
             self.choice.slot.phase = "save"
         self.answered_ns = now_ns()
 
@@ -178,6 +185,9 @@ class Attempts:
         if complete and self.view is not None and self.collected is not None:
             self.p.answered(self.view, _answer(bytes(self.collected), self.view.stream), self.listeners)
         self.collected = None
+        if self.unpinned is not None:
+            self._unpinned_over(True)
+            return
         lease, backend = self.lease, self.backend
         if lease is None or lease.returned or backend is None:
             self.p.notify(self.record)
@@ -226,6 +236,10 @@ class Attempts:
 
     def cancelled(self) -> None:
         """The request was cancelled (the client left) before its answer started."""
+        if self.unpinned is not None:   # the server lets go of it itself (a pinned request waits for that)
+            self._unpinned_over(False)
+            self.p.notify(self.record)
+            return
         if self.lease is not None and not self.lease.returned and self.sent:
             # The backend was computing: the save waits until the server lets go of the slot, then gives it back;
             # what the slot held before is still there (nothing partial is saved).
@@ -278,10 +292,19 @@ class Attempts:
         # Whatever is raised below gives the slot back; what it then holds: unknown, unless said otherwise.
         lease = Lease(self.p.pool, choice)
         self.lease, self.choice, self.backend = lease, choice, backend
+        if self.p.unpinned.unpinned(backend.index):
+            self.unpinned = backend.index
+            self.p.unpinned.began(backend.index)
         async with lease:
             try:
                 filled_from = now_ns()
-                await self.p.filler.prepare(choice, backend, self.prompt, self.want, self.record)
+                if self.unpinned is None:
+                    await self.p.filler.prepare(choice, backend, self.prompt, self.want, self.record)
+                else:   # the server chooses the slot, and finds what it holds of the prompt itself
+                    self.p.filler.release_choice(choice)
+                    self.p.pool.handed_over(choice.slot)
+                    self.record.route, self.record.restored, self.record.slot = "unpinned", False, -1
+                    self.body.pop("id_slot", None)
                 self.record.step("slot_fill", filled_from, restored=self.record.restored,
                                  saved_previous=self.record.swap_saved)
                 if self.want is None and not self.record.restored:
@@ -289,7 +312,8 @@ class Attempts:
                 self.sent, self.sent_ns, self.answered_ns = True, now_ns(), None
                 choice.slot.phase, choice.slot.sent_at = "generate", time.monotonic()
                 backend.launched_at = choice.slot.sent_at
-                upstream = await backend.client.chat(self.body, choice.slot.id, self.path, self.client_auth)
+                upstream = await backend.client.chat(self.body, choice.slot.id if self.unpinned is None else None,
+                                                     self.path, self.client_auth)
             except BackendUnreachable:
                 raise   # `start` fails over (`_failed`)
             except asyncio.CancelledError:
@@ -297,6 +321,8 @@ class Attempts:
                     backend.breaker.unclaim()
                 if self.sent:
                     lease.keep()   # the server is computing: `cancelled` gives the slot back once it let go
+                else:
+                    self._unpinned_over(False)
                 raise
             except BackendError as e:
                 self.note_failed_call(e)
@@ -309,12 +335,14 @@ class Attempts:
                     backend.breaker.unclaim()
                 self.record.reason = _reason(e)
                 lease.give_back(True)   # it holds what `prepare` left in it (slot.content is kept true)
+                self._unpinned_over(False)
                 raise
             except BaseException as e:
                 if probe:
                     backend.breaker.unclaim()
                 self.record.reason = _reason(e)
                 lease.give_back(True)
+                self._unpinned_over(False)
                 raise
         backend.succeeded()
         return upstream
@@ -346,6 +374,27 @@ class Attempts:
         if self.lease is not None:
             self.lease.give_back(content)
         self.lease = self.choice = None
+        self._unpinned_over(False)
+
+    def _unpinned_over(self, answered: bool) -> None:
+        """An unpinned try is over: its slot back (content unknown: the server chose where it ran), counted once
+        as ended; when `answered` (its answer over, delivered or not), the speeds learnt, `cache_n` judged and the
+        observers told."""
+        backend_index, self.unpinned = self.unpinned, None
+        if backend_index is None:
+            return
+        backend = self.p.backends[backend_index]
+        if self.lease is not None:
+            self.lease.give_back(None)
+        self.lease = self.choice = None
+        try:
+            if answered and self.record.cache_n is not None:
+                self.p.saver.learn(backend, self.prompt, self.record)
+                self.p.unpinned.judge(backend, self.prompt, self.record)
+        finally:
+            self.p.unpinned.ended(backend_index)
+            if answered:
+                self.p.notify(self.record)
 
 
 def _reason(e: BaseException) -> str:

@@ -55,7 +55,7 @@ async def generate(crew: Crew, settings: Settings, path: str, path_qs: str, head
     model = model or settings.model_id
     await crew.routers.model_slots(model)
     route = route_name(model)
-    pinned = path not in UNPINNED_ROUTES
+    route_pins = path not in UNPINNED_ROUTES
     tried: set[int] = set()
     error: ProxyError | None = None
     for _ in range(len(crew.backends)):
@@ -67,11 +67,13 @@ async def generate(crew: Crew, settings: Settings, path: str, path_qs: str, head
             break
         choice = await crew.pool.acquire(Want(allowed=allowed, ticket=record.ticket), record.max_wait)
         slot, backend = choice.slot, crew.backends[choice.slot.backend]
+        # never pinned where the backend's requests go unpinned (`flow.unpinned`): the server may run one there
+        pinned = route_pins and not crew.pool.unpinned(slot.backend)
         crew.saver.cancel_idle_save(slot)
         record.backend, record.slot = backend.url, slot.id
         try:
             held = slot.content
-            if held is not None and held.dirty and crew.filler.enabled(backend, held.model):
+            if pinned and held is not None and held.dirty and crew.filler.enabled(backend, held.model):
                 await crew.saver.save_held(backend, slot, held, record)
             crew.pool.handed_over(slot)
             if pinned:

@@ -1,11 +1,11 @@
 """The way of a generation request through lpcache, one short step per method:
 
     parse (apis: chat, responses, messages, completions, infill) -> prefilters -> session? -> coalesce? ->
-    attempts: slot (slot_fill) -> restore or swap (slot_fill, swap) -> send (llama) -> relay
+    attempts: slot (slot_fill) -> restore or swap (slot_fill, swap) -> send (llama, pinned or `unpinned`) -> relay
     ... after the answer: save (saving) -> release -> observers
 
-A cache miss, a failed restore or a failed save only ever costs a prefill: the request itself does not fail.
-The pipeline only orders the steps; each step's module knows how it is done.
+A cache miss, a failed restore or a failed save only ever costs a prefill: the request itself does not fail. The
+pipeline only orders the steps; each step's module knows how it is done.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from lpcache.flow.record import Observer, RequestRecord
 from lpcache.flow.relay import ClientWatch, FollowerRelay, JsonRelay, PassThrough, ServedRelay, SseRelay
 from lpcache.flow.saving import Saver
 from lpcache.flow.slot_fill import SlotFiller
+from lpcache.flow.unpinned import UnpinnedMode
 
 log = logging.getLogger("lpcache.pipeline")
 
@@ -72,8 +73,9 @@ class Pipeline:
         self.filler = SlotFiller(settings, self.backends, pool, index, self.sessions, self.speeds, self.reuse,
                                  self.routers, self.saver)
         self.truth = SlotTruth(self.backends, pool)
+        self.unpinned = UnpinnedMode(settings, self.backends, pool, self.speeds, self.saver, self.spawn)
         self.crew = Crew(self.backends, pool, self.filler, self.saver, self.routers, self.truth, self.coalescer,
-                         settings.request_timeout, self.answered, self.notify, self.spawn)
+                         settings.request_timeout, self.answered, self.notify, self.spawn, self.unpinned)
         self.fleet: Fleet | None = None
 
     def join_fleet(self) -> Fleet:
@@ -200,7 +202,6 @@ class Pipeline:
 
     async def prefilter(self, view: ChatRequest, record: RequestRecord) -> Serve | None:
         return await prefiltering.run(self.prefilters, view, record)
-
     def answered(self, view: ChatRequest, answer: Answer, listeners: Sequence[Prefilter]) -> None:
         """Tell the prefilters that want it what the backend answered, off the request's path."""
         for plugin in listeners:
@@ -238,8 +239,7 @@ class Pipeline:
 
 
 def _path_qs(request: Request) -> str:
-    query = request.url.query
-    return request.url.path + (f"?{query}" if query else "")
+    return request.url.path + (f"?{request.url.query}" if request.url.query else "")
 
 
 async def router_says(router: Backend, path: str, headers: dict[str, str], body: dict[str, Any],

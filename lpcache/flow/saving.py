@@ -107,6 +107,9 @@ class Saver:
         # Whether a cache worth keeping stays unsaved in its slot for now (`slot_fill.SlotFiller.save_later`).
         self.save_later: Callable[[Backend, Content], bool] = lambda backend, content: False
         self.stopping = False   # the shutdown's saves have begun (`save_all`)
+        # told of each request's end, once its save is decided (`flow.unpinned`: enough with no file work, and the
+        # backend's requests go unpinned)
+        self.observe: Callable[[Backend, RequestRecord], None] = lambda backend, record: None
         # BIG_THRESHOLD_WORDS=auto's decisions, and what came back of the prompts seen (under any setting)
         self.worth = Worth(settings.big_threshold_words is None, settings.big_threshold_words, settings.meta_max)
         self._verdicts: dict[tuple[int, str], bool] = {}
@@ -198,6 +201,7 @@ class Saver:
             self.schedule_idle_save(choice.slot, backend)
             if self.index.over():   # a restore's file may now be held by its slot: the limits hold again
                 self.spawn(self.index.enforce())
+            self.observe(backend, record)
             self.notify(record)
 
     def weigh(self, backend: Backend, prompt: Prompt, big: bool, record: RequestRecord, content: Content,

@@ -203,7 +203,7 @@ class SlotFiller:
         else:
             asked = Want(prompt, self.lookup(prompt) if want is None else (lambda: None), allowed, session, homes,
                          self.pays(prompt), self.index.protect, self.index.unprotect,
-                         (lambda: self.warm(prompt)) if want is None else None, self.index.__contains__,
+                         (lambda best: self.warm(prompt, best)) if want is None else None, self.index.__contains__,
                          file_of=lambda slot: cache_file(self.backends[slot.backend], prompt))
         asked.answer_tokens, asked.ticket, asked.max_wait = answer_tokens, record.ticket, record.max_wait
         planned_for = None if fresh is not None else session
@@ -307,17 +307,17 @@ class SlotFiller:
         self.release_choice(choice)
         return asked.choose([mine], self.pool.load())
 
-    def warm(self, prompt: Prompt) -> tuple[int, int, bool] | None:
+    def warm(self, prompt: Prompt, best: Candidate | None = None) -> tuple[int, int, bool] | None:
         """The server whose RAM prompt cache likely holds the longest prefix of the prompt (`server_cache`), how
-        much of it, and whether its RAM is relied on over a disk restore (`RamWatch.rely`: its recent misses,
-        weighed by the prefill a miss costs, against a restore's time). Not probed here: this is asked on every
-        choice, also where nothing is left to the RAM, and a probe is paid for once (`RamWatch.probe`)."""
+        much, and whether its RAM is relied on over a restore (`rely_on_ram`; `best`, the best file, weighed with the
+        prefill of what it lacks: an older turn, saved before later ones were left to the RAM). Not probed here."""
         found = self.server_caches.find(prompt.exact)
         if found is None:
             return None
         backend = self.backends[found[0]]
         speeds = self.speeds.of(backend.index, RouterModels.served(backend, prompt.model))
-        return found[0], found[1], self.rely_on_ram(backend, speeds, found[1])
+        file_tokens = speeds.tokens_of(best.shared) if best is not None and best.shared < found[1] else None
+        return found[0], found[1], self.rely_on_ram(backend, speeds, found[1], file_tokens=file_tokens)
 
     def rely_on_ram(self, backend: Backend, speeds: Speeds, blocks: int, probe: bool = False,
                     file_tokens: float | None = None) -> bool:

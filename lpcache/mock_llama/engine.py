@@ -73,8 +73,17 @@ class Generation:
     @classmethod
     async def start(cls, state: MockState, params: TaskParams) -> Generation:
         """Wait for a slot (the pinned one, or the best idle one) and take it."""
-        slot = await state.pool.acquire(params.slot_id, params.prompt)
         stats = state.stats
+        if params.slot_id is None:
+            stats.unpinned_requests += 1
+        elif state.pool.slots[params.slot_id].processing:
+            stats.pinned_to_busy += 1   # llama-server would run its RAM cache's load on the live slot
+        stats.queued += 1
+        stats.max_queued = max(stats.max_queued, stats.queued)
+        try:
+            slot = await state.pool.acquire(params.slot_id, params.prompt)
+        finally:
+            stats.queued -= 1
         stats.chat_requests += 1
         stats.chat_by_slot[slot.id] += 1
         stats.max_concurrent_per_slot = max(stats.max_concurrent_per_slot, slot.active)

@@ -31,6 +31,10 @@ class Stats:
     slot_actions_while_busy: int = 0  # slot actions that had to wait for their slot
     max_concurrent_per_slot: int = 0  # must stay 1: a slot never runs two tasks at once
     requests_by_path: Counter[str] = field(default_factory=Counter)  # /mock/* not counted
+    unpinned_requests: int = 0  # inference tasks sent without `id_slot` (the server chose the slot)
+    pinned_to_busy: int = 0  # pinned tasks that arrived while their slot computed another (must stay 0)
+    queued: int = 0  # tasks waiting for a slot now
+    max_queued: int = 0  # most tasks waiting for a slot at once (a proxy that lets the server queue them)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -45,6 +49,9 @@ class Stats:
             "slot_actions_while_busy": self.slot_actions_while_busy,
             "max_concurrent_per_slot": self.max_concurrent_per_slot,
             "requests_by_path": dict(self.requests_by_path),
+            "unpinned_requests": self.unpinned_requests,
+            "pinned_to_busy": self.pinned_to_busy,
+            "max_queued": self.max_queued,
         }
 
 

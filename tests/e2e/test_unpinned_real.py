@@ -1,0 +1,95 @@
+"""Unpinned requests against a real llama-server (-np 2, its default --cache-ram): once its RAM serves every return
+and BIG_THRESHOLD_WORDS=auto saves nothing, lpcache sends the requests without `id_slot` and the server queues
+them itself; after a miss it pins them again, never while an unpinned one runs (b11434 would load a RAM entry into
+a pinned slot still computing). Streamed chats, four at a time on two slots, the server's answers fed back."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from lpcache.cache.server_cache import RAM_TRUST
+from lpcache.workloads import chats
+
+from ..conftest import figures
+from .test_auto_real import behind_lpcache
+
+pytestmark = pytest.mark.e2e
+
+CONVERSATIONS, TURNS, MISS_AT = 4, 8, 6
+
+
+def streamed(url: str, messages: list[dict[str, Any]]) -> tuple[str, dict[str, Any], str]:
+    """One streamed chat: the answer's text, the last event's timings, the x-lpcache-slot header."""
+    text, timings = [], {}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=600,
+                      json={"model": "smollm2", "messages": messages, "max_tokens": 16, "temperature": 0,
+                            "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        slot = r.headers["x-lpcache-slot"]
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = orjson.loads(line[6:])   # every event whole JSON: a cut one fails here
+            for choice in event.get("choices") or ():
+                text.append((choice.get("delta") or {}).get("content") or "")
+            timings = event.get("timings") or timings
+    return "".join(text), timings, slot
+
+
+def test_requests_go_unpinned_while_the_ram_serves_and_pinned_again_after_a_miss(tmp_path: Any) -> None:
+    rng = random.Random(5)
+    history: list[list[dict[str, Any]]] = [[] for _ in range(CONVERSATIONS)]
+    rows: list[dict[str, Any]] = []
+    with behind_lpcache(tmp_path, None, big_threshold_words=None, meta_max=0) as proxy:
+        mode = proxy.pipeline.unpinned
+        ram = proxy.pipeline.backends[0].ram
+
+        def seen(hits: list[bool]) -> None:
+            async def record() -> None:
+                for hit in hits:
+                    ram.seen(hit, time.monotonic())
+            proxy.run(record())
+
+        states = []
+        for turn in range(TURNS):
+            proxy.settle()
+            if turn == 1:
+                seen([True] * RAM_TRUST)   # as after enough probes: this small model's chats all fit in its RAM
+            if turn == MISS_AT:
+                seen([False])   # one miss seen: the next unpinned answer switches back, three others under way
+            states.append(mode.state[0])
+            said = [chats.text(rng, rng.randint(20, 60)) for _ in range(CONVERSATIONS)]
+            results: list[Any] = [None] * CONVERSATIONS
+
+            def send(c: int, turn: int = turn, said: list[str] = said, results: list[Any] = results) -> None:
+                history[c].append({"role": "user", "content": said[c]})
+                results[c] = streamed(proxy.url, history[c])
+
+            threads = [threading.Thread(target=send, args=(c,)) for c in range(CONVERSATIONS)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            for c, (text, timings, slot) in enumerate(results):
+                history[c].append({"role": "assistant", "content": text})
+                rows.append({"turn": turn, "conversation": c, "slot": slot, **timings})
+        proxy.settle()
+        sent, final = mode.sent, mode.state[0]
+        routes = [r.route for r in proxy.records[-CONVERSATIONS:]]
+    previous = {(r["conversation"], r["turn"]): r["cache_n"] + r["prompt_n"] for r in rows}
+    unpinned = [r for r in rows if r["slot"] == "0:-1"]
+    figures(f"default --cache-ram, auto, 4 streamed chats at a time on 2 slots: states by turn {states}; "
+            f"{len(unpinned)} of {len(rows)} requests unpinned, the last turn's routes {routes}; computed "
+            f"{sum(r['prompt_n'] for r in rows)} of {sum(r['prompt_n'] + r['cache_n'] for r in rows)} prompt tokens")
+    assert "unpinned" in states and sent == len(unpinned) >= CONVERSATIONS, (states, sent)
+    assert final == "pinned" and all(r["slot"] != "0:-1" for r in rows if r["turn"] > MISS_AT), states
+    for r in rows:
+        if r["turn"] > 0:   # every return found its whole history (the RAM, a slot, or a file): nothing lost
+            assert r["cache_n"] >= previous[(r["conversation"], r["turn"] - 1)] - 1, r

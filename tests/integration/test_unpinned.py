@@ -1,0 +1,179 @@
+"""Unpinned requests (`flow.unpinned`) against the stand-in: once the server's RAM serves every return and
+BIG_THRESHOLD_WORDS=auto saves nothing, requests go without `id_slot` and the server queues them itself; a return
+the server lost switches back to pinning, and the two kinds never overlap on the server."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import httpx
+
+from lpcache.cache.server_cache import RAM_TRUST
+from lpcache.flow.unpinned import QUIET_REQUESTS
+
+from ..conftest import user
+from .conftest import mock_stats, until
+
+FAST = {"prefill_ms_per_token": 0.04, "kv_bytes_per_token": 23_040}   # a GPU's prefill: auto saves nothing
+TEXTS = [
+    "Hi! Could you explain what a KV cache is, in two sentences? Merci 🙂",
+    "Write a Python function `def mean(xs: list[float]) -> float:` that returns 0.0 for an empty list.",
+    "¿Cuál es la diferencia entre un proceso y un hilo? Respond in English, please.",
+    "Summarise: 'The quick brown fox jumps over the lazy dog' — why is it used for fonts?",
+]
+
+
+def on_loop(proxy: Any, fn: Any) -> Any:
+    async def call() -> Any:
+        return fn()
+    return asyncio.run_coroutine_threadsafe(call(), proxy.app.state.loop).result(10)
+
+
+def trust_ram(proxy: Any) -> None:
+    """What a real server's RAM cache would have shown by now: RAM_TRUST returns left to it, each served."""
+    def seen() -> None:
+        for backend in proxy.pipeline.backends:
+            for _ in range(RAM_TRUST):
+                backend.ram.seen(True, time.monotonic())
+    on_loop(proxy, seen)
+
+
+def state(proxy: Any) -> str:
+    return str(proxy.pipeline.unpinned.state[0])
+
+
+def converse(proxy: Any, histories: list[list[dict[str, Any]]], turn: int, **body: Any) -> list[httpx.Response]:
+    """One turn of each conversation, in turn, the stand-in's answers fed back."""
+    answers = []
+    for c, history in enumerate(histories):
+        history.append({"role": "user", "content": f"{TEXTS[(c + turn) % len(TEXTS)]} (turn {turn})"})
+        r = proxy.chat(history, max_tokens=6, **body)
+        assert r.status_code == 200, r.text
+        history.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
+        answers.append(r)
+        proxy.settle()
+    return answers
+
+
+def go_unpinned(proxy: Any, histories: list[list[dict[str, Any]]]) -> int:
+    """Quiet pinned requests until the backend's requests go unpinned; the turns it took."""
+    trust_ram(proxy)
+    turn = 0
+    while state(proxy) != "unpinned":
+        assert turn * len(histories) <= QUIET_REQUESTS + len(histories), state(proxy)
+        converse(proxy, histories, turn)
+        turn += 1
+    return turn
+
+
+def streamed_at_once(proxy: Any, bodies: list[dict[str, Any]]) -> list[tuple[int, str]]:
+    results: list[tuple[int, str]] = [(0, "")] * len(bodies)
+
+    def send(i: int) -> None:
+        with httpx.stream("POST", proxy.url + "/v1/chat/completions", json={**bodies[i], "stream": True},
+                          timeout=60) as r:
+            results[i] = (r.status_code, r.read().decode())
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def idle_everywhere(proxy: Any) -> bool:
+    return not any(s.busy for s in proxy.pipeline.pool.slots) and proxy.pipeline.unpinned.inflight[0] == 0
+
+
+def test_requests_go_unpinned_and_the_server_queues_them(start_backend: Any, start_proxy: Any) -> None:
+    backend = start_backend(slots=2, gen_ms_per_token=15.0, **FAST)
+    proxy = start_proxy(backend, big_threshold_words=None, meta_max=0)
+    histories: list[list[dict[str, Any]]] = [[], []]
+    turns = go_unpinned(proxy, histories)
+    before = mock_stats(backend)
+    assert before["unpinned_requests"] == 0 and before["saves"] == 0
+    pinning = f'lpcache_backend_pinning{{backend="{backend.url}",state="unpinned"}} 1.0'
+    assert pinning in proxy.client.get("/metrics").text
+    # each conversation's return: the server finds its prompt itself (the stand-in: in the slot it chooses for it)
+    previous = [r.json()["usage"]["prompt_tokens"] for r in converse(proxy, histories, turns - 1)]
+    returns = converse(proxy, histories, turns)
+    assert [r.json()["timings"]["cache_n"] >= p for r, p in zip(returns, previous, strict=True)] == [True, True]
+    assert [r.route for r in proxy.records[-2:]] == ["unpinned"] * 2 and state(proxy) == "unpinned"
+    assert [r.headers["x-lpcache-slot"] for r in returns] == ["0:-1", "0:-1"]
+    before = mock_stats(backend)
+    # six clients at once on two slots: lpcache hands out a place per slot, freed at each first token, so the
+    # next request waits inside the server (as it would without lpcache), not in lpcache's line
+    bodies = [{"messages": user(f"{TEXTS[i % 4]} [{i}]"), "max_tokens": 12} for i in range(6)]
+    results = streamed_at_once(proxy, bodies)
+    assert all(status == 200 and "[DONE]" in text for status, text in results), results
+    after = mock_stats(backend)
+    assert after["unpinned_requests"] - before["unpinned_requests"] == 6
+    assert after["max_queued"] >= 1, after
+    assert after["pinned_to_busy"] == 0 and after["saves"] == 0
+    until(lambda: idle_everywhere(proxy))
+    assert [r.route for r in proxy.records[-6:]] == ["unpinned"] * 6
+    assert 'lpcache_unpinned_requests_total 10.0' in proxy.client.get("/metrics").text
+
+
+def test_a_return_the_server_lost_pins_requests_again_without_overlap(start_backend: Any, start_proxy: Any,
+                                                                        caplog: Any) -> None:
+    backend = start_backend(slots=2, gen_ms_per_token=10.0, **FAST)
+    proxy = start_proxy(backend, big_threshold_words=None, meta_max=0)
+    histories: list[list[dict[str, Any]]] = [[], []]
+    turns = go_unpinned(proxy, histories)
+    # the stand-in has no RAM cache: two other conversations take both slots, then the first returns and is
+    # computed again (a miss), while four more requests arrive at once
+    others: list[list[dict[str, Any]]] = [[], []]
+    converse(proxy, others, 0)
+    converse(proxy, others, 0)   # each of the two slots now holds one of them, whichever the server chose
+    bodies = [{"messages": [*histories[0], {"role": "user", "content": "And then?"}], "max_tokens": 8}]
+    bodies += [{"messages": user(f"{TEXTS[i]} — now quickly, please [{i}]"), "max_tokens": 8} for i in range(4)]
+    with caplog.at_level("INFO", logger="lpcache.unpinned"):
+        results = streamed_at_once(proxy, bodies)
+        until(lambda: state(proxy) == "pinned" and idle_everywhere(proxy))
+    assert all(status == 200 and "[DONE]" in text for status, text in results), results
+    assert "unpinned_miss" in caplog.text and "unpinned_off" in caplog.text
+    assert mock_stats(backend)["pinned_to_busy"] == 0
+    # pinned again: the next request carries `id_slot`; what each slot holds is unknown to lpcache until used
+    unpinned = mock_stats(backend)["unpinned_requests"]
+    r = converse(proxy, histories, turns + 1)[0]
+    assert mock_stats(backend)["unpinned_requests"] == unpinned
+    assert proxy.records[-1].route != "unpinned" and r.headers["x-lpcache-slot"] in ("0:0", "0:1")
+
+
+def test_a_client_that_leaves_mid_stream_leaves_no_place_taken(start_backend: Any, start_proxy: Any) -> None:
+    backend = start_backend(slots=2, gen_ms_per_token=40.0, **FAST)
+    proxy = start_proxy(backend, big_threshold_words=None, meta_max=0)
+    go_unpinned(proxy, [[], []])
+    with httpx.stream("POST", proxy.url + "/v1/chat/completions", timeout=30,
+                      json={"messages": user("Tell me a long story about caches, 🐍 and C++."), "stream": True,
+                            "max_tokens": 200}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break   # the first token: the client leaves
+    until(lambda: idle_everywhere(proxy))
+    assert proxy.chat(user("Still there?"), max_tokens=4).status_code == 200
+    until(lambda: idle_everywhere(proxy))
+    assert state(proxy) == "unpinned" and mock_stats(backend)["pinned_to_busy"] == 0
+
+
+def test_only_auto_on_one_backend_without_replicas_goes_unpinned(start_backend: Any, start_proxy: Any) -> None:
+    fixed = start_backend(slots=2, **FAST)
+    proxy = start_proxy(fixed, big_threshold_words=500, meta_max=0)
+    trust_ram(proxy)
+    converse(proxy, [[], []], 0)
+    for turn in range(1, QUIET_REQUESTS):
+        converse(proxy, [[], []], turn)
+    assert state(proxy) == "pinned" and mock_stats(fixed)["unpinned_requests"] == 0
+    a, b = start_backend(slots=1, **FAST), start_backend(slots=1, **FAST)
+    two = start_proxy(a, b, big_threshold_words=None, meta_max=0)
+    trust_ram(two)
+    for turn in range(QUIET_REQUESTS):
+        converse(two, [[], []], turn)
+    assert set(two.pipeline.unpinned.state.values()) == {"pinned"}
+    assert mock_stats(a)["unpinned_requests"] == mock_stats(b)["unpinned_requests"] == 0

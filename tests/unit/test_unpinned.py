@@ -1,0 +1,135 @@
+"""The pinned / unpinned switches (`flow.unpinned`): when a backend's requests go unpinned, and that the two kinds
+never overlap: no slot is handed out while a switch waits for the other kind to end."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+from typing import Any
+
+from lpcache.backends.backend import Backend
+from lpcache.backends.placement import Want
+from lpcache.backends.slot_pool import SlotPool
+from lpcache.backends.slots import Content
+from lpcache.cache.prefix import Prompt
+from lpcache.cache.server_cache import RAM_TRUST, ServerCaches
+from lpcache.cache.speeds import SpeedBook
+from lpcache.config import BackendConfig, Settings
+from lpcache.flow.record import RequestRecord
+from lpcache.flow.unpinned import QUIET_REQUESTS, UnpinnedMode
+
+
+class _Client:
+    """GET /slots as told: busy for the first `busy_polls` calls."""
+
+    def __init__(self, busy_polls: int = 0) -> None:
+        self.busy_polls = busy_polls
+        self.polls = 0
+
+    async def slots(self, model: str | None = None) -> list[dict[str, Any]]:
+        self.polls += 1
+        return [{"id": i, "is_processing": self.polls <= self.busy_polls} for i in range(2)]
+
+
+def _setup(threshold: int | None = None, backends: int = 1, busy_polls: int = 0) -> tuple[UnpinnedMode, Backend,
+                                                                                         SlotPool, list[Any]]:
+    configs = tuple(BackendConfig(f"http://b{i}", None, "/tmp") for i in range(backends))
+    bs = [Backend(i, c, _Client(busy_polls), 2) for i, c in enumerate(configs)]  # type: ignore[arg-type]
+    pool = SlotPool([s for b in bs for s in b.slots()])
+    spawned: list[Any] = []
+    saver = SimpleNamespace(server_caches=ServerCaches(), observe=None)
+    mode = UnpinnedMode(Settings(backends=configs, big_threshold_words=threshold), bs, pool, SpeedBook(),
+                        saver, lambda coro: spawned.append(asyncio.ensure_future(coro)))  # type: ignore[arg-type]
+    assert saver.observe == mode.observe
+    return mode, bs[0], pool, spawned
+
+
+def _trusted(backend: Backend, hits: int = RAM_TRUST) -> None:
+    for _ in range(hits):
+        backend.ram.seen(True, time.monotonic())
+
+
+def _quiet(mode: UnpinnedMode, backend: Backend, n: int = QUIET_REQUESTS) -> None:
+    for _ in range(n):
+        mode.observe(backend, RequestRecord())
+
+
+def test_quiet_requests_behind_a_trusted_ram_switch_once_the_pinned_ones_are_over() -> None:
+    async def run() -> None:
+        mode, backend, pool, _ = _setup()
+        _quiet(mode, backend)
+        assert mode.state[0] == "pinned"   # the RAM never seen: pinned
+        mode.observe(backend, RequestRecord(saved=True))   # a save: the count starts again
+        _trusted(backend)
+        _quiet(mode, backend, QUIET_REQUESTS - 1)
+        assert mode.state[0] == "pinned"
+        busy = (await pool.acquire(Want())).slot           # a pinned request still under way
+        busy.content = Content("k", (1, 2))
+        _quiet(mode, backend, 1)
+        assert mode.state[0] == "to_unpinned" and mode.closed(0) and not mode.unpinned(0)
+        assert pool.idle() == []                           # nothing handed out meanwhile: the pinned one runs
+        waiter = asyncio.ensure_future(pool.acquire(Want()))
+        await asyncio.sleep(0)
+        assert not waiter.done()
+        pool.release(busy)
+        choice = await waiter
+        assert mode.state[0] == "unpinned" and mode.unpinned(0)
+        assert all(s.content is None for s in pool.slots)  # the server chooses the slots from now on
+        assert not await pool.take_idle(pool.slots[1])    # no slot action of lpcache's own meanwhile
+        pool.release(choice.slot)
+
+    asyncio.run(run())
+
+
+def test_a_miss_pins_again_only_after_every_unpinned_request_and_the_server_s_slots() -> None:
+    async def run() -> None:
+        mode, backend, pool, spawned = _setup(busy_polls=2)
+        _trusted(backend)
+        _quiet(mode, backend)
+        assert mode.state[0] == "unpinned"
+        prompt = Prompt.of("m", [{"role": "user", "content": "A long conversation, déjà vu. " * 60}], 10)
+        mode.server_caches.held(0, prompt.exact)
+        first = (await pool.acquire(Want())).slot
+        mode.began(0)
+        pool.release(first, None)                          # at its first token: its place goes to the next
+        second = (await pool.acquire(Want())).slot
+        mode.began(0)
+        mode.judge(backend, prompt, RequestRecord(cache_n=3, prompt_tokens=700))   # the server lost it
+        assert mode.state[0] == "to_pinned" and pool.idle() == []
+        mode.ended(0)                                      # one over, one still under way
+        pool.release(second, None)
+        assert mode.state[0] == "to_pinned" and pool.idle() == []
+        mode.ended(0)
+        assert mode.state[0] == "draining" and pool.idle() == []   # the server says its slots are busy, still
+        await asyncio.gather(*spawned)
+        assert mode.state[0] == "pinned" and len(pool.idle()) == 2 and backend.suspect
+        assert backend.client.polls > 2                    # type: ignore[attr-defined]
+        _quiet(mode, backend)
+        assert mode.state[0] == "pinned"                   # the miss is remembered: no switch back yet
+
+    asyncio.run(run())
+
+
+def test_a_return_the_server_held_keeps_requests_unpinned() -> None:
+    async def run() -> None:
+        mode, backend, _, _ = _setup()
+        _trusted(backend)
+        _quiet(mode, backend)
+        prompt = Prompt.of("m", [{"role": "user", "content": "A long conversation, déjà vu. " * 60}], 10)
+        mode.server_caches.held(0, prompt.exact)
+        record = RequestRecord(cache_n=690, prompt_tokens=700)
+        mode.began(0)
+        mode.judge(backend, prompt, record)
+        mode.ended(0)
+        assert mode.state[0] == "unpinned" and record.ram_expected and all(backend.ram.recent(time.monotonic()))
+
+    asyncio.run(run())
+
+
+def test_fixed_thresholds_and_several_backends_stay_pinned() -> None:
+    for threshold, backends in ((500, 1), (None, 2)):
+        mode, backend, _, _ = _setup(threshold, backends)
+        _trusted(backend)
+        _quiet(mode, backend, 3 * QUIET_REQUESTS)
+        assert mode.state[0] == "pinned", (threshold, backends)
