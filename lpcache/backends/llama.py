@@ -59,6 +59,16 @@ def pin(body: dict[str, Any], slot: int) -> dict[str, Any]:
     return body
 
 
+def unpin(body: dict[str, Any]) -> dict[str, Any]:
+    """No slot pin anywhere a build looks (the server chooses the slot): neither one an earlier try wrote nor the
+    client's own."""
+    body.pop("id_slot", None)
+    options = body.get("options")
+    if isinstance(options, dict) and "id_slot" in options:
+        body["options"] = {k: v for k, v in options.items() if k != "id_slot"}
+    return body
+
+
 @dataclass(frozen=True, slots=True)
 class SlotAction:
     """The answer to POST /slots/{id}?action=...: ok, the status, the JSON body (or an error text)."""

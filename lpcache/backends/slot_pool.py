@@ -66,6 +66,7 @@ class SlotPool:
         self.closed: Callable[[int], bool] = lambda backend: False
         self.unpinned: Callable[[int], bool] = lambda backend: False
         self.released_hook: Callable[[int], None] = lambda backend: None
+        self.generating: Counter[str | None] = Counter()   # per client: unpinned requests past their first token
         # When a list (tests): (slot name, wall-clock time, "take" or "give") as this replica starts and stops
         # using a slot; with `claims`, "take" once the slot is claimed.
         self.trace: list[tuple[str, float, str]] | None = None
@@ -108,8 +109,9 @@ class SlotPool:
         return out
 
     def holding(self) -> Counter[str | None]:
-        """Slots each client's requests hold now (`admission`: fair shares)."""
-        return Counter(s.client for s in self.slots if s.busy and s.taken_at)
+        """Slots each client's requests hold now (`admission`: fair shares), with the unpinned ones that gave their
+        slot back at their first token and still generate in the server (`generating`)."""
+        return Counter(s.client for s in self.slots if s.busy and s.taken_at) + self.generating
 
     def _in_line(self) -> list[_Waiter]:
         """The waiters in the order a free slot goes to them: class, the slots their client holds, arrival."""
@@ -320,9 +322,10 @@ class SlotPool:
         for replan in list(slot.replans):
             replan()
 
-    def release(self, slot: Slot, content: Content | None | bool = True, used: bool = True) -> None:
+    def release(self, slot: Slot, content: Content | None | bool = True, used: bool = True, hold: bool = True) -> None:
         """Give a slot back. `content`: what it now holds (True: unchanged, None: unknown). `used` False: it
-        served no request (an idle save), so it keeps its place in the least-recently-used order."""
+        served no request (an idle save), so it keeps its place in the least-recently-used order. `hold` False: its
+        request goes on (unpinned, at its first token): not a hold time, and no share kept for its client."""
         if not slot.busy:
             return
         if self.trace is not None:
@@ -336,7 +339,7 @@ class SlotPool:
         slot.phase, slot.free_at = "", None
         slot.stream, slot.sent_at, slot.first_token_at, slot.computing = False, None, None, 0
         slot.answer_tokens = None
-        if slot.taken_at:
+        if slot.taken_at and hold:
             self.hold.add(time.monotonic() - slot.taken_at)
             self._keep_share(slot)
         slot.client, slot.taken_at = None, 0.0
@@ -472,10 +475,10 @@ class Lease:
     def keep(self) -> None:
         self.kept = True
 
-    def give_back(self, content: Content | None | bool = True, used: bool = True) -> None:
+    def give_back(self, content: Content | None | bool = True, used: bool = True, hold: bool = True) -> None:
         if not self.returned:
             self.returned = True
-            self.pool.release(self.choice.slot, content, used)
+            self.pool.release(self.choice.slot, content, used, hold)
 
     async def __aenter__(self) -> Lease:
         return self

@@ -23,13 +23,14 @@ from typing import Any
 import orjson
 
 from lpcache.backends.backend import Backend
-from lpcache.backends.llama import CHAT_PATH, Upstream
+from lpcache.backends.llama import CHAT_PATH, Upstream, unpin
 from lpcache.backends.placement import Choice
 from lpcache.backends.router_models import RouterModels
 from lpcache.backends.slot_pool import Lease, SlotPool
 from lpcache.backends.slot_truth import SlotTruth
 from lpcache.backends.slots import Content, Slot
 from lpcache.cache.prefix import Prompt
+from lpcache.cache.reuse import REUSE_MIN_TOKENS
 from lpcache.cache.sessions import route_name
 from lpcache.errors import BackendError, BackendUnreachable, ProxyError
 from lpcache.flow.coalesce import Coalescer, Group, aggregate_sse
@@ -98,6 +99,7 @@ class Attempts:
         self.tail: bytes | None = None      # how a broken stream ended for the client (`ended_with`)
         self.path = CHAT_PATH               # llama-server's route for the request (`apis.Call.upstream_path`)
         self.unpinned: int | None = None    # the backend this try went to unpinned (`flow.unpinned`), until over
+        self.early = False                  # ... and gave its slot back at its first token
 
     # ---- what the relay uses ----
 
@@ -150,9 +152,12 @@ class Attempts:
         if self.choice is not None:
             self.choice.slot.first_token_at = time.monotonic()
             self.p.pool.progressed(self.choice.slot)
-        if self.unpinned is not None and self.lease is not None:
+        if self.unpinned is not None and self.lease is not None and not self.lease.returned:
             # unpinned: the server queues the next request itself, so it is sent now, while this one generates
-            self.lease.give_back(None)
+            # (still its client's: `generating`; not a hold time, nor a share kept, as a whole request's would be)
+            self.lease.give_back(None, hold=False)
+            self.p.unpinned.generating(self.record.ticket.client, 1)
+            self.early = True
 
     def end_group(self, error: dict[str, Any] | None, status: int | None = None) -> None:
         """Tell the followers the answer is complete (error None) or failed, and let a new group start."""
@@ -169,7 +174,7 @@ class Attempts:
     def generated(self) -> None:
         """The backend's answer is read whole: what is left of the slot's use is bookkeeping (a save), soon done,
         so a request that wants this slot may wait for it."""
-        if self.choice is not None and self.lease is not None and not self.lease.returned:
+        if self.choice is not None and self.unpinned is None and self.lease is not None and not self.lease.returned:
             self.choice.slot.phase = "save"
         self.answered_ns = now_ns()
 
@@ -177,17 +182,13 @@ class Attempts:
         """The answer is over (delivered whole, or the client left, or it broke): save, release, tell observers.
         `complete`: the backend's answer was read whole (for coalesced followers), even if the client left."""
         complete = delivered if complete is None else complete
-        if self.sent:
-            self.note_call()
-        self.end_group(None if complete else {"error": {
-            "message": f"the shared answer did not complete ({self.record.reason or 'failed'})",
-            "type": "backend_error", "code": 502}})
-        if complete and self.view is not None and self.collected is not None:
-            self.p.answered(self.view, _answer(bytes(self.collected), self.view.stream), self.listeners)
-        self.collected = None
-        if self.unpinned is not None:
-            self._unpinned_over(True)
+        if self.unpinned is not None:   # whatever is raised here, the try is counted as over
+            try:
+                self._finished(complete)
+            finally:
+                self._unpinned_over(True)
             return
+        self._finished(complete)
         lease, backend = self.lease, self.backend
         if lease is None or lease.returned or backend is None:
             self.p.notify(self.record)
@@ -205,6 +206,17 @@ class Attempts:
         finally:   # the save gives the slot back, whatever happened above
             self.p.spawn(self.p.saver.after(lease, backend, self.prompt, self.big, self.record, self.want,
                                             prefilled, held))
+
+    def _finished(self, complete: bool) -> None:
+        """What every answer's end does first: the call's steps, the followers told, the prefilters' answer."""
+        if self.sent:
+            self.note_call()
+        self.end_group(None if complete else {"error": {
+            "message": f"the shared answer did not complete ({self.record.reason or 'failed'})",
+            "type": "backend_error", "code": 502}})
+        if complete and self.view is not None and self.collected is not None:
+            self.p.answered(self.view, _answer(bytes(self.collected), self.view.stream), self.listeners)
+        self.collected = None
 
     def note_call(self) -> None:
         """The call to llama-server as steps: the call, and within it the prefill and the generation as the server
@@ -304,7 +316,7 @@ class Attempts:
                     self.p.filler.release_choice(choice)
                     self.p.pool.handed_over(choice.slot)
                     self.record.route, self.record.restored, self.record.slot = "unpinned", False, -1
-                    self.body.pop("id_slot", None)
+                    unpin(self.body)
                 self.record.step("slot_fill", filled_from, restored=self.record.restored,
                                  saved_previous=self.record.swap_saved)
                 if self.want is None and not self.record.restored:
@@ -387,8 +399,12 @@ class Attempts:
         if self.lease is not None:
             self.lease.give_back(None)
         self.lease = self.choice = None
+        if self.early:
+            self.p.unpinned.generating(self.record.ticket.client, -1)
+            self.early = False
         try:
             if answered and self.record.cache_n is not None:
+                self.record.cache_hit = self.record.cache_n >= REUSE_MIN_TOKENS   # the server found it itself
                 self.p.saver.learn(backend, self.prompt, self.record)
                 self.p.unpinned.judge(backend, self.prompt, self.record)
         finally:

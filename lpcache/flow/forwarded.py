@@ -21,6 +21,7 @@ import orjson
 from starlette.types import ASGIApp
 
 from lpcache.backends.backend import Backend
+from lpcache.backends.llama import unpin
 from lpcache.backends.placement import Want
 from lpcache.backends.slots import Slot
 from lpcache.cache.sessions import route_name
@@ -76,10 +77,13 @@ async def generate(crew: Crew, settings: Settings, path: str, path_qs: str, head
             if pinned and held is not None and held.dirty and crew.filler.enabled(backend, held.model):
                 await crew.saver.save_held(backend, slot, held, record)
             crew.pool.handed_over(slot)
+            unpinned = crew.pool.unpinned(slot.backend)
             if pinned:
                 body["id_slot"] = slot.id
+            elif unpinned:
+                unpin(body)   # not the client's own pin either, where the server may run an unpinned request
             try:
-                data = orjson.dumps(body) if pinned else raw
+                data = orjson.dumps(body) if pinned or unpinned else raw
             except TypeError as e:   # orjson reads 1024 levels of nesting but writes only 254
                 raise BadRequest(f"request body cannot be passed on: {e}", code="invalid_body") from e
             slot.phase = "generate"

@@ -209,6 +209,8 @@ class SlotFiller:
         planned_for = None if fresh is not None else session
 
         def plan_again() -> WaitPlan | None:
+            if all(self.pool.unpinned(s.backend) for s in self.pool.slots):   # the server chooses (`unpinned`)
+                return None
             return wait_plan(self.pool.slots, prompt, asked.lookup(), allowed, planned_for, homes,
                              self.budget(prompt), asked.mine)
 
@@ -308,9 +310,8 @@ class SlotFiller:
         return asked.choose([mine], self.pool.load())
 
     def warm(self, prompt: Prompt, best: Candidate | None = None) -> tuple[int, int, bool] | None:
-        """The server whose RAM prompt cache likely holds the longest prefix of the prompt (`server_cache`), how
-        much, and whether its RAM is relied on over a restore (`rely_on_ram`; `best`, the best file, weighed with the
-        prefill of what it lacks: an older turn, saved before later ones were left to the RAM). Not probed here."""
+        """The server whose RAM likely holds the longest prefix of the prompt (`server_cache`), how much, whether it
+        is relied on over a restore of the `best` file (`rely_on_ram`, with the prefill of what that file lacks)."""
         found = self.server_caches.find(prompt.exact)
         if found is None:
             return None
@@ -593,8 +594,6 @@ class SlotFiller:
         if info is not None and hit:
             info.cache_hits += 1
 
-    # ---- after the answer: did the slot hold what lpcache believed? ----
-
     def judge(self, choice: Choice, backend: Backend, prompt: Prompt, record: RequestRecord) -> None:
-        """Check `cache_n` against what the slot was believed to hold (`cache_outcome`)."""
+        """After the answer: check `cache_n` against what the slot was believed to hold (`cache_outcome`)."""
         cache_outcome.judge(choice, backend, prompt, record, self.index, self.speeds, self.reuse, self.saver)

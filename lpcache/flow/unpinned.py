@@ -25,6 +25,7 @@ BIG_THRESHOLD_WORDS=auto, and the backend's caches enabled. No save, restore or 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -40,13 +41,18 @@ from lpcache.cache.reuse import REUSE_MIN_TOKENS
 from lpcache.cache.server_cache import RAM_HIT_SHARE, RAM_TRUST
 from lpcache.cache.speeds import SpeedBook
 from lpcache.config import Settings
+from lpcache.errors import ProxyError
 from lpcache.flow.record import RequestRecord
 from lpcache.flow.saving import Saver
 
 log = logging.getLogger("lpcache.unpinned")
 
-QUIET_REQUESTS = 8        # pinned requests in a row with nothing saved before requests go unpinned
-DRAIN_IDLE_SECONDS = 30.0  # how long the switch back waits for the server to say its slots are idle
+QUIET_REQUESTS = 8         # pinned requests in a row with nothing saved before requests go unpinned
+SWITCH_SECONDS = 5.0       # the longest a switch keeps hand-outs closed waiting for the other kind to end; past it,
+                           # it is called off (a long answer under way), and tried again later: the requests it
+                           # asks for, twice as many at each call-off
+SWITCH_BACKOFF_SECONDS = 60.0   # after a switch back to pinned was called off: unpinned that long at least
+IDLE_POLLS = 2             # GET /slots answers in a row saying every slot is idle before requests are pinned again
 
 PINNED, TO_UNPINNED, UNPINNED, TO_PINNED, DRAINING = "pinned", "to_unpinned", "unpinned", "to_pinned", "draining"
 PINNING_STATES = (PINNED, TO_UNPINNED, UNPINNED, TO_PINNED, DRAINING)
@@ -67,6 +73,9 @@ class UnpinnedMode:
         self.state = {b.index: PINNED for b in self.backends}
         self.inflight = {b.index: 0 for b in self.backends}   # unpinned requests sent and not over
         self.quiet = {b.index: 0 for b in self.backends}      # pinned requests in a row with nothing saved
+        self.called_off = {b.index: 0 for b in self.backends}   # switches to unpinned called off lately
+        self.pinned_after = {b.index: 0.0 for b in self.backends}   # no switch back to pinned before (monotonic)
+        self.timers: dict[int, asyncio.TimerHandle] = {}
         self.switches = 0
         self.sent = 0                   # requests sent unpinned (metric)
         pool.closed, pool.unpinned, pool.released_hook = self.closed, self.unpinned, self.released
@@ -94,8 +103,17 @@ class UnpinnedMode:
 
     def ended(self, backend: int) -> None:
         """An unpinned request is over (answered, failed or left): counted once."""
+        if self.inflight[backend] <= 0:
+            log.error("unpinned_count_wrong url=%s: an unpinned request ended twice", self.backends[backend].url)
         self.inflight[backend] = max(self.inflight[backend] - 1, 0)
         self._advance(backend)
+
+    def generating(self, client: str | None, delta: int) -> None:
+        """An unpinned request of `client` gave its slot back at its first token (1), or is over (-1): still its
+        client's, for the fair shares (`SlotPool.holding`)."""
+        self.pool.generating[client] += delta
+        if self.pool.generating[client] <= 0:
+            del self.pool.generating[client]
 
     def judge(self, backend: Backend, prompt: Prompt, record: RequestRecord) -> None:
         """An unpinned answer: what the server took from its cache (`cache_n`) against what lpcache saw it hold of
@@ -114,8 +132,8 @@ class UnpinnedMode:
                              "held of the prompt", backend.url, record.cache_n, expected)
         if record.cache_n is not None and record.prompt_tokens:
             self.server_caches.held(backend.index, prompt.exact)
-        if not all(backend.ram.recent(now)):   # a miss lately, here or seen elsewhere: files may pay again
-            self._switch(backend.index, TO_PINNED)
+        if not all(backend.ram.recent(now)) and now >= self.pinned_after[backend.index]:
+            self._switch(backend.index, TO_PINNED)   # a miss lately, here or seen elsewhere: files may pay again
 
     # ---- pinned requests ----
 
@@ -130,7 +148,10 @@ class UnpinnedMode:
             return
         self.quiet[b] += 1
         recent = backend.ram.recent(time.monotonic())
-        if self.quiet[b] >= QUIET_REQUESTS and len(recent) >= RAM_TRUST and all(recent):
+        mine = [s for s in self.pool.slots if s.backend == b]
+        if any(s.content is not None and s.content.dirty for s in mine):
+            return   # a cache worth a file, not saved yet (deferred): saved when its slot is next taken, pinned
+        if self.quiet[b] >= QUIET_REQUESTS << self.called_off[b] and len(recent) >= RAM_TRUST and all(recent):
             log.info("unpinned_on url=%s: llama-server's RAM prompt cache served the last %d prompts left to it and "
                      "nothing was saved for the last %d requests; requests go unpinned and the server queues them",
                      backend.url, len(recent), self.quiet[b])
@@ -144,7 +165,29 @@ class UnpinnedMode:
         self.state[backend] = state
         self.quiet[backend] = 0
         self.switches += 1
+        self.timers[backend] = asyncio.get_running_loop().call_later(SWITCH_SECONDS, self._call_off, backend, state)
         self._advance(backend)
+
+    def _call_off(self, b: int, state: str) -> None:
+        """The switch waited SWITCH_SECONDS for the other kind's requests to end (a long answer): hand-outs open
+        again the way they were, and the switch is tried again later."""
+        if self.state[b] != state:
+            return
+        url = self.backends[b].url
+        if state == TO_UNPINNED:
+            self.state[b] = PINNED
+            self.called_off[b] += 1
+            log.info("unpinned_called_off url=%s: a pinned request ran on for %.0f s; requests stay pinned (tried "
+                     "again after %d quiet requests)", url, SWITCH_SECONDS, QUIET_REQUESTS << self.called_off[b])
+        else:
+            self._stay_unpinned(b, f"an unpinned request ran on for {SWITCH_SECONDS:.0f} s")
+        self.pool.wake()
+
+    def _stay_unpinned(self, b: int, why: str) -> None:
+        self.state[b] = UNPINNED
+        self.pinned_after[b] = time.monotonic() + SWITCH_BACKOFF_SECONDS
+        log.warning("pinned_called_off url=%s: %s; requests stay unpinned, pinned again after a miss seen at least "
+                    "%.0f s from now", self.backends[b].url, why, SWITCH_BACKOFF_SECONDS)
 
     def released(self, backend: int) -> None:
         """A slot of `backend` was given back (the pool's hook): a switch may be complete."""
@@ -153,37 +196,74 @@ class UnpinnedMode:
 
     def _advance(self, b: int) -> None:
         state = self.state[b]
-        if any(s.backend == b and s.busy for s in self.pool.slots):
+        if state not in (TO_UNPINNED, TO_PINNED) or any(s.backend == b and s.busy for s in self.pool.slots):
             return
         if state == TO_UNPINNED:
+            self._cancel_timer(b)
             for slot in self.pool.slots:
                 if slot.backend == b:
                     slot.content = None   # the server chooses the slots from now on
-            self.state[b] = UNPINNED
+            self.state[b], self.called_off[b] = UNPINNED, 0
             self.pool.wake()
-        elif state == TO_PINNED and self.inflight[b] == 0:
+        elif self.inflight[b] == 0:
+            self._cancel_timer(b)
             self.state[b] = DRAINING   # waiting for the server's word; still closed to hand-outs
             self.spawn(self._pinned_again(self.backends[b]))
 
+    def _cancel_timer(self, b: int) -> None:
+        timer = self.timers.pop(b, None)
+        if timer is not None:
+            timer.cancel()
+
     async def _pinned_again(self, backend: Backend) -> None:
-        """Every unpinned request has ended here; the server may still be letting go of one a client left: wait
-        until it says each slot is idle, then pin again. What a slot holds is unknown but for its size: a slot that
-        holds something is one the server looks in its RAM for (a pinned empty one skips it), so a return is sent
-        there rather than restored from an older file (`placement.choose`)."""
-        held: dict[int, int | None] = {}
+        """Every unpinned request has ended here, but the server may still hold one whose client left (it lets go
+        at its next batch) or have one queued: requests are pinned again only once GET /slots has said IDLE_POLLS
+        times in a row that every slot is idle. What a slot holds is unknown but for its size: a slot that holds
+        something is one the server looks in its RAM for (a pinned empty one skips it), so a return goes there
+        rather than restoring an older file (`placement.choose`). When the server does not say (no /slots, an
+        error, still busy after SWITCH_SECONDS), requests stay unpinned, which is always safe."""
+        b = backend.index
+        held: dict[int, int | None] | None = None
         try:
-            for slot in self.pool.slots:
-                if slot.backend == backend.index:
-                    _, held[slot.id] = await swap.idle_tokens(backend.client, slot.id, limit=DRAIN_IDLE_SECONDS)
+            held = await self._all_idle(backend)
+        except Exception as e:   # never left closed
+            log.warning("unpinned_drain_failed url=%s: %s", backend.url, e)
         finally:
-            for slot in self.pool.slots:
-                if slot.backend == backend.index:
-                    tokens = held.get(slot.id)
-                    slot.content = Content("", (), tokens=tokens) if tokens else None
-            self.state[backend.index] = PINNED
-            backend.suspect = True
-            log.info("unpinned_off url=%s: requests are pinned again", backend.url)
-            self.pool.wake()
+            if self.state[b] == DRAINING:
+                if held is None:
+                    self._stay_unpinned(b, "llama-server did not say its slots are idle")
+                else:
+                    for slot in self.pool.slots:
+                        if slot.backend == b:
+                            tokens = held.get(slot.id)
+                            slot.content = Content("", (), tokens=tokens) if tokens else None
+                    self.state[b] = PINNED
+                    backend.suspect = True
+                    log.info("unpinned_off url=%s: requests are pinned again", backend.url)
+                self.pool.wake()
+
+    async def _all_idle(self, backend: Backend) -> dict[int, int | None] | None:
+        """Each slot's tokens once GET /slots said IDLE_POLLS times in a row that none is processing; None when it
+        cannot tell within SWITCH_SECONDS."""
+        deadline = time.monotonic() + SWITCH_SECONDS
+        streak = 0
+        while True:
+            try:
+                listing = await backend.client.slots()
+            except ProxyError:
+                return None
+            if listing is None:
+                return None
+            if any(s.get("is_processing") for s in listing):
+                streak = 0
+            else:
+                streak += 1
+                if streak >= IDLE_POLLS:
+                    return {s["id"]: n if isinstance(n := s.get("n_prompt_tokens"), int) else None
+                            for s in listing if isinstance(s.get("id"), int)}
+            if time.monotonic() >= deadline:
+                return None
+            await asyncio.sleep(swap.IDLE_POLL_SECONDS)
 
     def describe(self) -> dict[str, Any]:
         return {"state": dict(self.state), "inflight": dict(self.inflight), "switches": self.switches,

@@ -16,6 +16,7 @@ from lpcache.cache.prefix import Prompt
 from lpcache.cache.server_cache import RAM_TRUST, ServerCaches
 from lpcache.cache.speeds import SpeedBook
 from lpcache.config import BackendConfig, Settings
+from lpcache.errors import ProxyError
 from lpcache.flow.record import RequestRecord
 from lpcache.flow.unpinned import QUIET_REQUESTS, UnpinnedMode
 
@@ -104,7 +105,7 @@ def test_a_miss_pins_again_only_after_every_unpinned_request_and_the_server_s_sl
         assert mode.state[0] == "draining" and pool.idle() == []   # the server says its slots are busy, still
         await asyncio.gather(*spawned)
         assert mode.state[0] == "pinned" and len(pool.idle()) == 2 and backend.suspect
-        assert backend.client.polls > 2                    # type: ignore[attr-defined]
+        assert backend.client.polls >= 2 + 2               # type: ignore[attr-defined]   # idle twice in a row
         _quiet(mode, backend)
         assert mode.state[0] == "pinned"                   # the miss is remembered: no switch back yet
 
@@ -133,3 +134,48 @@ def test_fixed_thresholds_and_several_backends_stay_pinned() -> None:
         _trusted(backend)
         _quiet(mode, backend, 3 * QUIET_REQUESTS)
         assert mode.state[0] == "pinned", (threshold, backends)
+
+
+def test_a_switch_that_waits_too_long_is_called_off_and_hand_outs_open_again() -> None:
+    async def run() -> None:
+        mode, backend, pool, _ = _setup()
+        _trusted(backend)
+        busy = (await pool.acquire(Want())).slot           # a long pinned answer under way
+        _quiet(mode, backend)
+        assert mode.state[0] == "to_unpinned" and 0 in mode.timers
+        mode._call_off(0, "to_unpinned")                   # what its timer does after SWITCH_SECONDS
+        assert mode.state[0] == "pinned" and len(pool.idle()) == 1
+        _quiet(mode, backend, 2 * QUIET_REQUESTS - 1)      # tried again after twice as many quiet requests
+        assert mode.state[0] == "pinned"
+        _quiet(mode, backend, 1)
+        assert mode.state[0] == "to_unpinned"
+        pool.release(busy)
+        assert mode.state[0] == "unpinned" and 0 not in mode.timers
+
+    asyncio.run(run())
+
+
+class _NoSlots(_Client):
+    async def slots(self, model: str | None = None) -> list[dict[str, Any]]:
+        raise ProxyError("GET /slots: 501", status=502)
+
+
+def test_a_server_that_does_not_say_its_slots_are_idle_keeps_requests_unpinned() -> None:
+    async def run() -> None:
+        mode, backend, pool, spawned = _setup()
+        backend.client = _NoSlots()  # type: ignore[assignment]
+        _trusted(backend)
+        _quiet(mode, backend)
+        prompt = Prompt.of("m", [{"role": "user", "content": "Ein langes Gespräch über Caches. " * 60}], 10)
+        mode.server_caches.held(0, prompt.exact)
+        mode.began(0)
+        mode.judge(backend, prompt, RequestRecord(cache_n=3, prompt_tokens=700))
+        mode.ended(0)
+        await asyncio.gather(*spawned)
+        assert mode.state[0] == "unpinned" and len(pool.idle()) == 2   # never left closed, never pinned unchecked
+        mode.began(0)
+        mode.judge(backend, prompt, RequestRecord(cache_n=3, prompt_tokens=700))
+        mode.ended(0)
+        assert mode.state[0] == "unpinned"                 # not tried again before the back-off is over
+
+    asyncio.run(run())
