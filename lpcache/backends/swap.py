@@ -101,6 +101,27 @@ async def idle_tokens(client: LlamaClient, slot: int, model: str | None = None,
         await asyncio.sleep(IDLE_POLL_SECONDS)
 
 
+async def all_idle(client: LlamaClient, limit: float, polls: int) -> dict[int, int | None] | None:
+    """Each slot's tokens (`n_prompt_tokens`) once GET /slots has said `polls` times in a row that no slot is
+    processing; None when the server does not say (no /slots, an error) or is still busy after `limit` seconds."""
+    deadline = time.monotonic() + limit
+    streak = 0
+    while True:
+        try:
+            listing = await client.slots()
+        except ProxyError:
+            return None
+        if listing is None:
+            return None
+        streak = 0 if any(s.get("is_processing") for s in listing) else streak + 1
+        if streak >= polls:
+            return {s["id"]: n if isinstance(n := s.get("n_prompt_tokens"), int) else None
+                    for s in listing if isinstance(s.get("id"), int)}
+        if time.monotonic() >= deadline:
+            return None
+        await asyncio.sleep(IDLE_POLL_SECONDS)
+
+
 def holds(client: LlamaClient, slot: int, content: Content, tokens: int | None) -> bool:
     """Whether a slot the server says holds `tokens` tokens can hold `content` (when either count is unknown, it
     cannot tell: yes). A cache is saved under its name only then: saving what another request left in the slot

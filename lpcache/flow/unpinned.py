@@ -41,7 +41,6 @@ from lpcache.cache.reuse import REUSE_MIN_TOKENS
 from lpcache.cache.server_cache import RAM_HIT_SHARE, RAM_TRUST
 from lpcache.cache.speeds import SpeedBook
 from lpcache.config import Settings
-from lpcache.errors import ProxyError
 from lpcache.flow.record import RequestRecord
 from lpcache.flow.saving import Saver
 
@@ -225,7 +224,7 @@ class UnpinnedMode:
         b = backend.index
         held: dict[int, int | None] | None = None
         try:
-            held = await self._all_idle(backend)
+            held = await swap.all_idle(backend.client, SWITCH_SECONDS, IDLE_POLLS)
         except Exception as e:   # never left closed
             log.warning("unpinned_drain_failed url=%s: %s", backend.url, e)
         finally:
@@ -241,29 +240,6 @@ class UnpinnedMode:
                     backend.suspect = True
                     log.info("unpinned_off url=%s: requests are pinned again", backend.url)
                 self.pool.wake()
-
-    async def _all_idle(self, backend: Backend) -> dict[int, int | None] | None:
-        """Each slot's tokens once GET /slots said IDLE_POLLS times in a row that none is processing; None when it
-        cannot tell within SWITCH_SECONDS."""
-        deadline = time.monotonic() + SWITCH_SECONDS
-        streak = 0
-        while True:
-            try:
-                listing = await backend.client.slots()
-            except ProxyError:
-                return None
-            if listing is None:
-                return None
-            if any(s.get("is_processing") for s in listing):
-                streak = 0
-            else:
-                streak += 1
-                if streak >= IDLE_POLLS:
-                    return {s["id"]: n if isinstance(n := s.get("n_prompt_tokens"), int) else None
-                            for s in listing if isinstance(s.get("id"), int)}
-            if time.monotonic() >= deadline:
-                return None
-            await asyncio.sleep(swap.IDLE_POLL_SECONDS)
 
     def describe(self) -> dict[str, Any]:
         return {"state": dict(self.state), "inflight": dict(self.inflight), "switches": self.switches,
