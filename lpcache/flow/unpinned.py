@@ -75,7 +75,6 @@ class UnpinnedMode:
         self.called_off = {b.index: 0 for b in self.backends}   # switches to unpinned called off lately
         self.pinned_after = {b.index: 0.0 for b in self.backends}   # no switch back to pinned before (monotonic)
         self.timers: dict[int, asyncio.TimerHandle] = {}
-        self.switches = 0
         self.sent = 0                   # requests sent unpinned (metric)
         pool.closed, pool.unpinned, pool.released_hook = self.closed, self.unpinned, self.released
 
@@ -163,7 +162,6 @@ class UnpinnedMode:
             return   # already switching, or there
         self.state[backend] = state
         self.quiet[backend] = 0
-        self.switches += 1
         self.timers[backend] = asyncio.get_running_loop().call_later(SWITCH_SECONDS, self._call_off, backend, state)
         self._advance(backend)
 
@@ -240,7 +238,3 @@ class UnpinnedMode:
                     backend.suspect = True
                     log.info("unpinned_off url=%s: requests are pinned again", backend.url)
                 self.pool.wake()
-
-    def describe(self) -> dict[str, Any]:
-        return {"state": dict(self.state), "inflight": dict(self.inflight), "switches": self.switches,
-                "sent": self.sent}
