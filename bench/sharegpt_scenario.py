@@ -410,6 +410,8 @@ def sent_figures(sent: Sequence[Any], out: Path) -> dict[str, Any]:
         "error_events": dict(Counter(x for s in sent for x in s.error_events)),
         "other_sse_fields": dict(Counter(x for s in sent for x in s.other_fields)),
         "aiperf_log_problems": log_problems(out),
+        # each request's prompt tokens computed, to set a run beside the server alone's request by request
+        "computed_by_request": {f"{s.conversation}#{s.turn}": s.prompt_n for s in sent if s.prompt_n is not None},
     }
 
 
@@ -866,6 +868,27 @@ def notes(results: Sequence[dict[str, Any]]) -> list[str]:
         if other:
             lines.append(f"- {who}, lpcache's /metrics: " + ", ".join(f"`{k}` {v:g}" for k, v in sorted(other.items()))
                          + ".")
+    return lines + beside_alone(results)
+
+
+def beside_alone(results: Sequence[dict[str, Any]]) -> list[str]:
+    """Each lpcache run set beside the server alone's with the same RAM cache, request by request (the same
+    conversation and turn): how many computed more prompt tokens, how many fewer, and by how much. The totals say
+    whether lpcache computed more; this says where (a few requests, or all of them)."""
+    lines = []
+    alone = {r["ram"]: r for r in results if r.get("variant") is None and r.get("computed_by_request")}
+    for r in results:
+        base = alone.get(r["ram"])
+        if r.get("variant") is None or base is None or not r.get("computed_by_request"):
+            continue
+        mine, theirs = r["computed_by_request"], base["computed_by_request"]
+        both = [k for k in mine if k in theirs]
+        more = [mine[k] - theirs[k] for k in both if mine[k] > theirs[k]]
+        fewer = [theirs[k] - mine[k] for k in both if mine[k] < theirs[k]]
+        lines.append(f"- {r['setup']} beside {base['setup']}, request by request ({len(both)} of the same "
+                     f"conversations' turns): {len(both) - len(more) - len(fewer)} computed the same prompt tokens, "
+                     f"{len(more)} more (+{sum(more):,} tokens), {len(fewer)} fewer (-{sum(fewer):,}); net "
+                     f"{sum(more) - sum(fewer):+,}.")
     return lines
 
 

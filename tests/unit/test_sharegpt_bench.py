@@ -490,3 +490,16 @@ def test_slot_handovers_are_read_from_llama_server_s_log() -> None:
     assert figures == {"handovers": 3, "handover_ms_p50": 52.9, "handover_idle_s": 1.26}
     assert sc.slot_handovers(b"no slot lines at all\n") == {"handovers": 0, "handover_ms_p50": None,
                                                            "handover_idle_s": 0}
+
+
+def test_an_lpcache_run_is_set_beside_the_server_alone_with_the_same_ram_request_by_request() -> None:
+    alone = {"setup": "alone-ramdef", "ram": "ramdef", "variant": None,
+             "computed_by_request": {"a#0": 50, "a#1": 20, "b#0": 70, "b#1": 300}}
+    other_ram = {"setup": "alone-ram0", "ram": "ram0", "variant": None, "computed_by_request": {"a#0": 1}}
+    auto = {"setup": "lpcache-auto-ramdef", "ram": "ramdef", "variant": "auto",
+            "computed_by_request": {"a#0": 50, "a#1": 90, "b#0": 70, "b#1": 280, "c#0": 5}}
+    lines = sc.beside_alone([other_ram, alone, auto])
+    assert lines == ["- lpcache-auto-ramdef beside alone-ramdef, request by request (4 of the same conversations' "
+                     "turns): 2 computed the same prompt tokens, 1 more (+70 tokens), 1 fewer (-20); net +50."]
+    assert sc.beside_alone([auto]) == [] and sc.beside_alone([{**alone, "skipped": "x", "computed_by_request": {}},
+                                                              auto]) == []
