@@ -41,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except PluginError as e:
             build_parser().exit(2, f"lpcache: error: BACKENDS: {e}\n")
 
-    # uvicorn picks uvloop by itself when it is installed; the HTTP protocol is httptools with bounds on what a client
+    # uvicorn picks uvloop by itself when it is installed; the HTTP protocol is h11 with bounds on what a client
     # connection may hold (`edge.http`).
     uvicorn.run(create_app(settings, plugins), host=settings.host, port=settings.port,
                 log_level=settings.log_level.lower(), access_log=False, lifespan="on",

@@ -1,13 +1,11 @@
 """The HTTP edge: what one client connection may cost lpcache before a route runs.
 
 lpcache listens on every address by default, so a client that sends a 16 MiB header, 20,000 headers or one byte a
-minute must not hold memory or a connection for long. The protocol is uvicorn's httptools one (llhttp, in C: about
-0.2 ms a request quicker than its pure-Python h11 one on the proxy's own path, docs/benchmarks.md) with what it lacks
-added by a small subclass: a bound on the request head (above MAX_HEAD_BYTES, a 431 and the connection closed,
-nothing more read; llhttp itself has none), a deadline for a head that comes too slowly (slowloris), and its own
-protocol errors answered in OpenAI's JSON shape; `HeaderLimits` bounds the number of headers. The body has its own
-deadline while it is read (`guard.read_body`). Use `server_options` wherever lpcache is served (the CLI, the tests'
-server thread).
+minute must not hold memory or a connection for long. uvicorn's h11 protocol bounds the request head
+(`h11_max_incomplete_event_size`: above it, a 431 and the connection closed, nothing more read); a small subclass
+adds the deadline uvicorn lacks for a head that comes too slowly (slowloris) and answers its own protocol errors in
+OpenAI's JSON shape; `HeaderLimits` bounds the number of headers. The body has its own deadline while it is read
+(`guard.read_body`). Use `server_options` wherever lpcache is served (the CLI, the tests' server thread).
 """
 
 from __future__ import annotations
@@ -16,9 +14,10 @@ import asyncio
 import logging
 from typing import Any
 
+import h11
 import orjson
 from starlette.types import ASGIApp, Receive, Scope, Send
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from lpcache.config import Settings
 from lpcache.errors import ProxyError
@@ -31,7 +30,7 @@ MAX_HEADERS = 100            # Apache's LimitRequestFields; an OpenAI SDK sends 
 
 
 class HeaderLimits:
-    """431 for a request of more than `max_headers` headers (their total size is bounded by `edge_protocol`)."""
+    """431 for a request of more than `max_headers` headers (their total size is bounded by h11 already)."""
 
     def __init__(self, app: ASGIApp, max_headers: int = MAX_HEADERS) -> None:
         self.app = app
@@ -52,40 +51,23 @@ def _raw_error(status: int, reason: bytes, err: ProxyError) -> bytes:
             % (status, reason, len(body)) + body)
 
 
-def edge_protocol(head_timeout: float, max_head_bytes: int = MAX_HEAD_BYTES) -> type[HttpToolsProtocol]:
-    """uvicorn's httptools protocol with a bound on each request head (`max_head_bytes`: the request line and headers
-    read before the head's end) and a deadline for it: `head_timeout` seconds from the connection's start, or from
-    the end of the previous answer, until the next request's head is in (uvicorn's keep-alive timeout still closes an
-    idle connection sooner). A connection past either is answered and closed."""
+def edge_protocol(head_timeout: float, max_head_bytes: int = MAX_HEAD_BYTES) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with a deadline for each request head: `head_timeout` seconds from the connection's
+    start, or from the end of the previous answer, until the next request's head is in (uvicorn's keep-alive
+    timeout still closes an idle connection sooner). A connection past it is closed."""
 
-    class EdgeProtocol(HttpToolsProtocol):
+    class EdgeProtocol(H11Protocol):
         _head_timer: asyncio.TimerHandle | None = None
-        _in_head = True        # bytes now read belong to a request head (none of a body yet)
-        _head_bytes = 0        # read since the last request's body ended (or the connection began)
+        _waiting_since: object = None    # the request cycle that was current when the deadline was set
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._await_head()
 
         def data_received(self, data: bytes) -> None:
-            if self._in_head:
-                self._head_bytes += len(data)
             super().data_received(data)
-            if self._in_head and self._head_bytes > max_head_bytes and not self.transport.is_closing():
-                # the head is not whole after more than the bound: refused before another byte is read (llhttp
-                # has parsed this chunk, one read of the transport at most)
-                self._refuse(431, b"Request Header Fields Too Large", ProxyError(
-                    f"request head larger than {max_head_bytes} bytes", status=431, type="invalid_request_error",
-                    code="request_header_too_large"))
-
-        def on_headers_complete(self) -> None:
-            self._in_head, self._head_bytes = False, 0
-            self._stop_waiting()          # the head is in: the app reads the rest, under its own deadline
-            super().on_headers_complete()
-
-        def on_message_complete(self) -> None:
-            super().on_message_complete()
-            self._in_head, self._head_bytes = True, 0   # what comes next is the next request's head
+            if self._head_timer is not None and self.cycle is not self._waiting_since:
+                self._stop_waiting()          # a new request's head is in: the app reads the rest
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
@@ -97,11 +79,15 @@ def edge_protocol(head_timeout: float, max_head_bytes: int = MAX_HEAD_BYTES) -> 
             super().connection_lost(exc)
 
         def send_400_response(self, msg: str) -> None:
-            """llhttp refused the request: not HTTP (or not HTTP lpcache serves)."""
-            self._refuse(400, b"Bad Request", ProxyError("invalid HTTP request", status=400,
-                                                         type="invalid_request_error", code="invalid_http_request"))
-
-        def _refuse(self, status: int, reason: bytes, err: ProxyError) -> None:
+            """h11 refused the request: a head over `max_head_bytes` (431) or one that is not HTTP (400)."""
+            if len(self.conn.trailing_data[0]) > max_head_bytes:
+                status, reason = 431, b"Request Header Fields Too Large"
+                err = ProxyError(f"request head larger than {max_head_bytes} bytes", status=431,
+                                 type="invalid_request_error", code="request_header_too_large")
+            else:
+                status, reason = 400, b"Bad Request"
+                err = ProxyError("invalid HTTP request", status=400, type="invalid_request_error",
+                                 code="invalid_http_request")
             self._stop_waiting()
             if not self.transport.is_closing():
                 self.transport.write(_raw_error(status, reason, err))
@@ -110,6 +96,7 @@ def edge_protocol(head_timeout: float, max_head_bytes: int = MAX_HEAD_BYTES) -> 
         def _await_head(self) -> None:
             self._stop_waiting()
             if not self.transport.is_closing():
+                self._waiting_since = self.cycle
                 self._head_timer = self.loop.call_later(head_timeout, self._head_late)
 
         def _stop_waiting(self) -> None:
@@ -123,7 +110,7 @@ def edge_protocol(head_timeout: float, max_head_bytes: int = MAX_HEAD_BYTES) -> 
                 return
             log.debug("client_timeout peer=%s: no request head within %.0f s, connection closed",
                       self.client[0] if self.client else "-", head_timeout)
-            if self.cycle is None or self.cycle.response_complete:   # no answer under way to cut into
+            if self.conn.their_state is h11.IDLE and self.conn.our_state is h11.IDLE:
                 self.transport.write(_raw_error(408, b"Request Timeout", ProxyError(
                     f"no request head within {head_timeout:g} s", status=408, type="invalid_request_error",
                     code="request_timeout")))
@@ -134,4 +121,4 @@ def edge_protocol(head_timeout: float, max_head_bytes: int = MAX_HEAD_BYTES) -> 
 
 def server_options(settings: Settings) -> dict[str, Any]:
     """uvicorn.Config options that bound what a client connection may hold (head size, head deadline)."""
-    return {"http": edge_protocol(settings.client_timeout)}
+    return {"http": edge_protocol(settings.client_timeout), "h11_max_incomplete_event_size": MAX_HEAD_BYTES}
