@@ -147,6 +147,44 @@ def test_too_many_headers_get_431(proxy: Any) -> None:
     assert status == 431
 
 
+def test_a_flood_of_chunked_trailer_fields_gets_431_before_much_is_read(proxy: Any) -> None:
+    """The trailer fields after a chunked body's last chunk are a head of their own, bounded like the request's
+    (an HTTP parser that does not bound them lets a client grow the process's memory at the wire's speed)."""
+    sock = connect(proxy.url)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n")
+    sent, chunk = 0, b"a:b\r\n" * 13000
+    deadline = time.monotonic() + 20
+    with sock:
+        while time.monotonic() < deadline:
+            readable, writable, _ = select.select([sock], [sock], [], 1.0)
+            if readable:
+                break
+            if writable and sent < 64 * 1024 * 1024:
+                try:
+                    sent += sock.send(chunk)
+                except (BrokenPipeError, ConnectionResetError):
+                    break
+        answer = read_until_closed(sock, time.monotonic() + 10)
+    status, doc = status_and_json(answer)
+    assert status == 431 and doc["error"]["code"] == "request_header_too_large"
+    assert sent < 4 * 1024 * 1024, f"{sent} bytes of trailer fields were taken in before the answer"
+
+
+def test_a_request_asking_for_h2c_is_served_over_http_1_1_with_its_body(proxy: Any) -> None:
+    """curl --http2 and Java's HttpClient offer `Upgrade: h2c` on plain http: the request is served as HTTP/1.1,
+    its body read (a parser that takes the offer for the end of HTTP on the connection loses the body)."""
+    body = orjson.dumps({"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 2})
+    sock = connect(proxy.url)
+    with sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings, close"
+                     b"\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAoAAAAAIAAAAA\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        status, doc = status_and_json(read_until_closed(sock, time.monotonic() + 20))
+    assert status == 200, doc
+    assert doc["choices"][0]["message"]["role"] == "assistant"
+
+
 def test_a_slow_head_is_cut_off(start_proxy: Any, backend: Any) -> None:
     proxy = start_proxy(backend, client_timeout=0.5)
     sock = connect(proxy.url)
