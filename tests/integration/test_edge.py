@@ -110,22 +110,28 @@ def test_a_big_body_does_not_stall_a_concurrent_stream(start_backend: Any, start
 
 # ---- request heads: size, count, deadline ----
 
-def test_a_huge_header_is_refused_without_being_read(proxy: Any) -> None:
-    sock = connect(proxy.url)
-    sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ")
-    sent, chunk = 0, b"a" * 65536
+def flood(url: str, start: bytes, chunk: bytes, most: int) -> tuple[int, bytes]:
+    """Send `start`, then `chunk` again and again (at most `most` bytes) until lpcache answers or closes: the bytes
+    of `chunk` it took in meanwhile, and its answer."""
+    sock = connect(url)
+    sock.sendall(start)
+    sent = 0
     deadline = time.monotonic() + 20
     with sock:
         while time.monotonic() < deadline:
             readable, writable, _ = select.select([sock], [sock], [], 1.0)
             if readable:
                 break
-            if writable and sent < 16 * 1024 * 1024:
+            if writable and sent < most:
                 try:
                     sent += sock.send(chunk)
                 except (BrokenPipeError, ConnectionResetError):
                     break
-        answer = read_until_closed(sock, time.monotonic() + 10)
+        return sent, read_until_closed(sock, time.monotonic() + 10)
+
+
+def test_a_huge_header_is_refused_without_being_read(proxy: Any) -> None:
+    sent, answer = flood(proxy.url, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ", b"a" * 65536, 16 * 1024 * 1024)
     status, doc = status_and_json(answer)
     assert status == 431 and doc["error"]["code"] == "request_header_too_large"
     assert sent < 4 * 1024 * 1024, f"{sent} bytes of header were taken in before the answer"
@@ -150,22 +156,9 @@ def test_too_many_headers_get_431(proxy: Any) -> None:
 def test_a_flood_of_chunked_trailer_fields_gets_431_before_much_is_read(proxy: Any) -> None:
     """The trailer fields after a chunked body's last chunk are a head of their own, bounded like the request's
     (an HTTP parser that does not bound them lets a client grow the process's memory at the wire's speed)."""
-    sock = connect(proxy.url)
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n")
-    sent, chunk = 0, b"a:b\r\n" * 13000
-    deadline = time.monotonic() + 20
-    with sock:
-        while time.monotonic() < deadline:
-            readable, writable, _ = select.select([sock], [sock], [], 1.0)
-            if readable:
-                break
-            if writable and sent < 64 * 1024 * 1024:
-                try:
-                    sent += sock.send(chunk)
-                except (BrokenPipeError, ConnectionResetError):
-                    break
-        answer = read_until_closed(sock, time.monotonic() + 10)
+    sent, answer = flood(proxy.url, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                         b"\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n", b"a:b\r\n" * 13000,
+                         64 * 1024 * 1024)
     status, doc = status_and_json(answer)
     assert status == 431 and doc["error"]["code"] == "request_header_too_large"
     assert sent < 4 * 1024 * 1024, f"{sent} bytes of trailer fields were taken in before the answer"
