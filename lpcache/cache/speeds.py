@@ -14,11 +14,15 @@ per token seen on this backend (canonical text is JSON-escaped: a little longer 
 A `/slots` call also waits: llama-server runs it between two of its batches, so it waits for the batch under way
 (another slot's prefill: seconds on a CPU), and the request after it waits one more. That wait (`wait_ms`: the call's
 time less the server's own `save_ms` / `restore_ms`) is a fixed cost per call, whatever the file's size: a restore
-pays only when the prefill it spares beats it too, and a short prompt's file may not be worth its save.
+pays only when the prefill it spares beats it too, and a short prompt's file may not be worth its save. It is the
+median of the recent calls' waits: one call behind another slot's long prompt (18 s of a 1,300-token prefill on a
+loaded CPU) made an average of them several seconds, and a session's restore that spared 400 tokens was judged
+slower than their prefill for the turns after it.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -75,7 +79,8 @@ class Speeds:
     generate: Rate = field(default_factory=lambda: Rate(min_tokens=MIN_DECODED, quantile=DECODE_QUANTILE))
     save: Rate = field(default_factory=Rate)
     chars_per_token: float | None = None
-    wait_ms: float | None = None   # a /slots call's wait for the server's batch under way (EWMA, ms), when measured
+    wait_ms: float | None = None   # a /slots call's wait for the server's batch under way (median, ms), when measured
+    waits: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
 
     @classmethod
     def new(cls) -> Speeds:
@@ -93,8 +98,8 @@ class Speeds:
         """A /slots call took `call_ms`, of which the server worked `work_ms` on the file: the rest was waiting."""
         if call_ms <= 0 or work_ms <= 0 or work_ms > call_ms:
             return   # the server did not say (a stand-in), or clocks disagree: nothing learnt
-        value = call_ms - work_ms
-        self.wait_ms = value if self.wait_ms is None else (1 - ALPHA) * self.wait_ms + ALPHA * value
+        self.waits.append(call_ms - work_ms)
+        self.wait_ms = statistics.median(self.waits)
 
     def tokens_of(self, blocks: int) -> float:
         """Tokens in `blocks` identity blocks, as far as this backend's ratio tells."""
@@ -136,3 +141,7 @@ class SpeedBook:
 
     def __len__(self) -> int:
         return len(self._speeds)
+
+    def items(self) -> list[tuple[tuple[int, str], Speeds]]:
+        """((backend, model), speeds) of every pair measured, in order."""
+        return sorted(self._speeds.items(), key=lambda kv: kv[0])

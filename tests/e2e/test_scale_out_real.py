@@ -155,6 +155,20 @@ def holds(trace: Sequence[tuple[str, float, str]]) -> dict[str, list[tuple[float
     return out
 
 
+def speeds_of(proxy: Proxy) -> str:
+    """The speeds a replica learnt per backend (what its restore and wait decisions weighed)."""
+    return "; ".join(f"{b}: " + ", ".join(f"{k}={v:.2f}" for k, v in s.describe().items() if v is not None)
+                     for (b, _), s in proxy.pipeline.speeds.items())
+
+
+def explain(records: Sequence[Any], session: str) -> str:
+    """The session's requests as the replicas recorded them, in order (for the message of a failed bound)."""
+    fields = ("backend", "slot", "route", "seeded", "prompt_n", "cache_n", "restore_file", "restore_lost",
+              "restore_reused", "restore_skipped", "queue_ms", "swap_saved", "saved", "save_file", "retries")
+    mine = sorted((r for r in records if r.session == session), key=lambda r: r.started)
+    return "".join("\n    " + ", ".join(f"{f}={getattr(r, f)}" for f in fields) for r in mine)
+
+
 def check_one_holder(replicas: Sequence[Proxy], watch: SlotWatch) -> int:
     """No slot used by two replicas at once; every processing slot the servers showed was held by a replica.
     Returns the number of server observations checked."""
@@ -198,9 +212,10 @@ def test_two_replicas_with_random_assignment_compute_about_the_ideal_and_never_s
         figures(f"\nscale-out, 2 replicas x 2 servers, random assignment: computed {run.computed}, ideal {total} "
                 f"({run.computed / total:.3f}x), {seconds:.0f} s; routes {routes}; Redis calls {calls} "
                 f"({calls / len(records):.1f} per request), claims refused "
-                f"{sum(f.stats.claims_refused for f in fleets if f)}")
+                f"{sum(f.stats.claims_refused for f in fleets if f)}; restores skipped (a prefill judged faster) "
+                f"{sum(1 for r in records if r.restore_skipped)}; speeds {speeds_of(replicas[0])}")
         over = [f"turn {i} ({workload[i].kind} u{workload[i].user} r{workload[i].turn}) via {via} slot {slot}: "
-                f"{n} computed, ideal {ideal_tokens[i]}"
+                f"{n} computed, ideal {ideal_tokens[i]}; session's requests:{explain(records, workload[i].session)}"
                 for i, (n, via, slot) in sorted(run.computed_by_turn.items()) if n > ideal_tokens[i] + 16]
         assert run.computed <= BOUND * total, "\n".join(over)
         checked = check_one_holder(replicas, watch)

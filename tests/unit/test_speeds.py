@@ -63,6 +63,24 @@ def test_a_slot_call_s_wait_is_learnt_apart_from_its_work_and_counted_by_the_res
     assert s.wait_ms == before
 
 
+def test_one_slot_call_that_waited_behind_a_long_prompt_does_not_make_every_restore_look_slow() -> None:
+    """Two replicas in front of two real servers on a loaded 2-core machine (tests/e2e/test_scale_out_real.py):
+    prefill 12-20 ms a token, /slots calls waiting 30-90 ms; a call that comes during another slot's 1,300-token
+    prompt waits for all of it, about 18 s. Averaged in, that one call counted 5.4 s against every later restore,
+    more than the 5.1 s prefill of the 423 tokens a session's 489-token file spares: its restore was skipped."""
+    s = Speeds.new()
+    s.prefill.add(12.0 * 500, 500)
+    s.restore.add(5.0, 500)
+    for wait in (40.0, 90.0, 30.0, 60.0, 18_000.0):
+        s.learn_wait(call_ms=wait + 5.0, work_ms=5.0)
+    assert s.wait_ms == 60.0
+    assert s.restore_pays(489, 423)
+    for _ in range(10):   # a server whose calls all wait that long now: followed within the recent calls
+        s.learn_wait(call_ms=18_005.0, work_ms=5.0)
+    assert s.wait_ms == 18_000.0
+    assert not s.restore_pays(489, 423)
+
+
 def test_the_prefill_rate_is_not_taken_from_prompts_batched_beside_another_slot_s_prefill() -> None:
     """Real llama-server b11434, -np 2, SmolLM2-135M on 2 cores (a ShareGPT run through lpcache): prompts prefill at
     about 4.3 ms a token, but one batched with another slot's 1,288-token prompt reported 66 tokens in 6,013 ms. The
