@@ -249,8 +249,14 @@ def admission_run(label: str, settings: dict[str, str], burst: bool, say: Callab
                     # the high-priority request is key b's too, but sent once b's agents are done (the burst lasts
                     # longer): it would otherwise take a turn of b's share, which the run alone has no match for
                     threads[0].join()
+                    answered = len(statuses)
                     deadline = time.monotonic() + 120
-                    held = False   # until the burst holds both slots (b's kept share over) and waits in line
+                    # b's last slot is kept for it a while (`admission.Reserved`): first until it is seen free or
+                    # the burst has had two more answers, then until the burst holds both slots and waits in line
+                    while time.monotonic() < deadline and threads[1].is_alive() and len(statuses) < answered + 2 \
+                            and burst_holds_all(proxy.url, KEY_B):
+                        time.sleep(0.05)
+                    held = False
                     while time.monotonic() < deadline and threads[1].is_alive() and \
                             not (held := burst_holds_all(proxy.url, KEY_B)):
                         time.sleep(0.05)
@@ -305,7 +311,7 @@ def markdown(report: dict[str, Any]) -> str:
                 f"after its first turn, a task and {STEPS} tool exchanges each ({s['requests']} requests), "
                 f"`POST /v1/messages`, {CONCURRENCY} at a time, `-np 2 --cache-ram 0`, lpcache's defaults. "
                 "Target: at most 1.1x the ideal, and never more than without a session header."
-                + (f" (Figures of an earlier run: {s['kept_from']})" if s.get("kept_from") else ""), "",
+                + (f" Figures of an earlier run, on {s['kept_from']}." if s.get("kept_from") else ""), "",
                 table(["session headers", "computed", "ideal", "x ideal", "time s", "new sessions started from"],
                       [[m, r["computed"], r["ideal"], f"{r['x_ideal']:.3f}", r["seconds"],
                         ", ".join(f"{k} {v}" for k, v in sorted(r["seeds"].items())) or "-"]
@@ -314,7 +320,7 @@ def markdown(report: dict[str, Any]) -> str:
     if a:
         alone, burst, bounded = a["alone"], a["burst"], a["queue_max"]
         if a.get("kept_from"):
-            out += [f"Figures of an earlier run ({a['kept_from']}):", ""]
+            out += [f"Figures of an earlier run, on {a['kept_from']}:", ""]
         ratio = burst["b_wait_p50_ms"] / alone["b_wait_p50_ms"] if alone["b_wait_p50_ms"] else None
         answer = burst["b_latency_p50_s"] / alone["b_latency_p50_s"] if alone.get("b_latency_p50_s") else None
         out += [f"Two client keys on 2 slots: key b's 4 agents (closed loop, {ADMISSION_STEPS + 1} turns each), alone "
@@ -356,7 +362,8 @@ def keep_parts_not_run(report: dict[str, Any], results: Path) -> None:
         return
     for part in ("sessions", "admission"):
         if part not in report and isinstance(last.get(part), dict):
-            report[part] = {**last[part], "kept_from": last[part].get("kept_from") or last.get("machine", "")}
+            machine = str(last.get("machine", "")).removeprefix("Machine: ")
+            report[part] = {**last[part], "kept_from": last[part].get("kept_from") or machine}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
