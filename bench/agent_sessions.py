@@ -12,13 +12,14 @@ with the headers each client sends: OpenCode (`x-session-id`, a sub-agent's `x-p
 every header, and never more than without one.
 
 Part `admission`: two client keys (`LPCACHE_API_KEYS`), 2 slots. Key b's 4 agents (a task and 5 tool exchanges each,
-closed loop) alone; then key a's 12 agents sent all at once beside them (a burst), with one request of key b asking
-`X-Lpcache-Priority: high` (CLIENT_PRIORITIES lets b ask for it) sent once b's agents are done and the burst holds
-every slot and still waits (sent earlier, it took a turn of b's share that the run alone has no match for); then
-`QUEUE_MAX=6` under the same burst with requests asking `X-Lpcache-Max-Wait: 1`. It reports b's median wait for its
-answer (sent to answered) and for a slot (the request log's `lpcache-queue-ms`), alone and beside the burst (target:
-within 2x), the high-priority request's wait against the longest time a request held a slot then (target: at most one
-running generation), and every status returned (refusals with their `Retry-After`; target: no 500).
+closed loop) alone; then key a's 12 agents sent all at once beside them (a burst), with one request of key a asking
+`X-Lpcache-Priority: high` (CLIENT_PRIORITIES lets it; its burst asks for normal, so only the class puts it ahead)
+sent once b's agents are done and the burst holds every slot and still waits (sent while b's agents run, it would
+take whichever slot came free first, b's too, a turn the run alone has no match for); then `QUEUE_MAX=6` under the
+same burst with requests asking `X-Lpcache-Max-Wait: 1`. It reports b's median wait for its answer (sent to
+answered) and for a slot (the request log's `lpcache-queue-ms`), alone and beside the burst (target: within 2x), the
+high-priority request's wait against the longest time a request held a slot then (target: at most one running
+generation), and every status returned (refusals with their `Retry-After`; target: no 500).
 
 Writes a section between the `agent-sessions` markers of docs/benchmarks.md and bench/results/agent_sessions.json.
 Run: python bench/agent_sessions.py [--parts sessions,admission] [--no-docs]
@@ -86,6 +87,7 @@ def drive(url: str, starts: Sequence[Session], then: dict[int, Sequence[Session]
         ready.put((s, 0))
     left = [sum(s.turns for s in starts) + sum(x.turns for subs in then.values() for x in subs)]
     order: list[tuple[int, int]] = []
+    failed: list[str] = []
     lock = threading.Lock()
 
     def worker() -> None:
@@ -99,7 +101,14 @@ def drive(url: str, starts: Sequence[Session], then: dict[int, Sequence[Session]
                 except queue.Empty:
                     continue
                 sent = time.monotonic()
-                r = client.post(url + "/v1/messages", json=s.body(turn, max_tokens=max_tokens), headers=headers(s))
+                try:
+                    r = client.post(url + "/v1/messages", json=s.body(turn, max_tokens=max_tokens),
+                                    headers=headers(s))
+                except httpx.HTTPError as e:   # lpcache gone: every worker stops, instead of waiting for turns
+                    with lock:
+                        failed.append(f"{type(e).__name__}: {e}")
+                        left[0] = 0
+                    return
                 with lock:
                     if latencies is not None and r.status_code == 200:
                         latencies.append(time.monotonic() - sent)
@@ -109,7 +118,10 @@ def drive(url: str, starts: Sequence[Session], then: dict[int, Sequence[Session]
                     left[0] -= 1 if r.status_code == 200 else s.turns - turn   # a refused session stops
                 if r.status_code != 200:
                     if statuses is None:
-                        raise RuntimeError(f"{r.status_code}: {r.text[:300]}")
+                        with lock:
+                            failed.append(f"{r.status_code}: {r.text[:300]}")
+                            left[0] = 0
+                        return
                     continue
                 if turn + 1 < s.turns:
                     ready.put((s, turn + 1))
@@ -122,6 +134,8 @@ def drive(url: str, starts: Sequence[Session], then: dict[int, Sequence[Session]
         t.start()
     for t in threads:
         t.join()
+    if failed:
+        raise RuntimeError(failed[0])
     return order
 
 
@@ -198,8 +212,11 @@ def waits_of(log: Path, agent: str) -> list[float]:
 def burst_holds_all(url: str, key: str) -> bool:
     """Every slot busy and requests waiting in line (lpcache's /metrics, read with a client key)."""
     values: dict[str, float] = {}
-    r = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {key}"})
-    r.raise_for_status()
+    try:
+        r = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {key}"})
+        r.raise_for_status()
+    except httpx.HTTPError:
+        return False   # not seen: the caller polls again until its deadline
     for line in r.text.splitlines():
         if line.startswith(("lpcache_slots_busy{", "lpcache_slots{", 'lpcache_queue_depth{priority="normal"}')):
             name = line.split("{", 1)[0] + ("_normal" if "queue_depth" in line else "")
@@ -223,21 +240,22 @@ def admission_run(label: str, settings: dict[str, str], burst: bool, say: Callab
             proxy = LpcacheProcess({
                 "BACKENDS": json.dumps([{"url": llama.url, "slot_save_path": str(work / "slots")}]),
                 "META_DIR": str(work / "meta"), "LOG_LEVEL": "WARNING", "LPCACHE_API_KEYS": f"{KEY_A},{KEY_B}",
-                "CLIENT_PRIORITIES": f"{KEY_B}=high", "REQUEST_LOG": "true", "REQUEST_LOG_PATH": str(log),
+                "CLIENT_PRIORITIES": f"{KEY_A}=high", "REQUEST_LOG": "true", "REQUEST_LOG_PATH": str(log),
                 # the first five are read here; the rest say where a request's time went (kept with BENCH_KEEP)
                 "REQUEST_LOG_FIELDS": "cs(User-Agent),sc-status,lpcache-queue-ms,lpcache-priority,cs-time,"
-                                      "lpcache-slot,lpcache-route,lpcache-seeded,lpcache-restored,lpcache-prompt-tokens,"
-                                      "lpcache-cached-tokens,lpcache-prefill-ms,lpcache-gen-ms,datetime",
+                                      "lpcache-slot,lpcache-route,lpcache-seeded,lpcache-restored,"
+                                      "lpcache-prompt-tokens,lpcache-cached-tokens,lpcache-prefill-ms,lpcache-gen-ms,"
+                                      "datetime",
                 **settings})
             try:
                 # warm-up: the harness computed once, and the slots' hold times learnt, for every run alike
                 drive(proxy.url, everyone[:1], {}, 1, lambda s: {"Authorization": f"Bearer {KEY_B}",
                                                                "User-Agent": "warm-up"})
                 headers_b = lambda s: {"Authorization": f"Bearer {KEY_B}", "User-Agent": "agent-b",  # noqa: E731
-                                       "x-session-id": f"b{s.index}", "X-Lpcache-Priority": "normal"}
+                                       "x-session-id": f"b{s.index}"}
                 extra = {"X-Lpcache-Max-Wait": max_wait} if max_wait else {}
                 headers_a = lambda s: {"Authorization": f"Bearer {KEY_A}", "User-Agent": "agent-a",  # noqa: E731
-                                       "x-session-id": f"a{s.index}", **extra}
+                                       "x-session-id": f"a{s.index}", "X-Lpcache-Priority": "normal", **extra}
                 threads = [threading.Thread(target=drive, args=(proxy.url, b_agents, {}, len(b_agents), headers_b,
                                                                 statuses, MAX_TOKENS, b_latencies))]
                 if burst:
@@ -246,8 +264,9 @@ def admission_run(label: str, settings: dict[str, str], burst: bool, say: Callab
                 for t in threads:
                     t.start()
                 if burst and not settings:
-                    # the high-priority request is key b's too, but sent once b's agents are done (the burst lasts
-                    # longer): it would otherwise take a turn of b's share, which the run alone has no match for
+                    # the high-priority request is key a's (its burst asks for normal): only its class can put it
+                    # ahead of the burst, which holds every slot by then. Sent once b's agents are done (the burst
+                    # lasts longer), so it takes no turn of b's share, which the run alone has no match for
                     threads[0].join()
                     answered = len(statuses)
                     deadline = time.monotonic() + 120
@@ -262,7 +281,7 @@ def admission_run(label: str, settings: dict[str, str], burst: bool, say: Callab
                         time.sleep(0.05)
                     started = time.monotonic()
                     r = httpx.post(proxy.url + "/v1/messages", json=everyone[0].body(1, max_tokens=MAX_TOKENS),
-                                   headers={"Authorization": f"Bearer {KEY_B}", "User-Agent": "urgent",
+                                   headers={"Authorization": f"Bearer {KEY_A}", "User-Agent": "urgent",
                                             "X-Lpcache-Priority": "high"}, timeout=900)
                     urgent = {"status": r.status_code, "seconds": round(time.monotonic() - started, 2),
                               "sent_while_the_burst_held_every_slot": held}
@@ -279,7 +298,8 @@ def admission_run(label: str, settings: dict[str, str], burst: bool, say: Callab
         result = {"label": label, "b_wait_p50_ms": round(statistics.median(b), 1) if b else None,
                   "b_latency_p50_s": round(statistics.median(b_latencies), 2) if b_latencies else None,
                   "b_latency_mean_s": round(statistics.fmean(b_latencies), 2) if b_latencies else None,
-                  "b_requests": len(b), "a_requests": len(waits_of(log, "agent-a")), "urgent": urgent,
+                  "b_turns": ADMISSION_STEPS + 1, "b_requests": len(b), "a_requests": len(waits_of(log, "agent-a")),
+                  "urgent": urgent,
                   "statuses": sorted({str(s) for s, _ in statuses}),
                   "status_counts": {str(s): sum(1 for x, _ in statuses if x == s) for s, _ in statuses},
                   "retry_after": sorted({ra for s, ra in statuses if s != 200 and ra is not None}),
@@ -295,6 +315,14 @@ def part_admission(say: Callable[[str], None]) -> dict[str, Any]:
             "burst": admission_run("key b beside key a's burst", {}, True, say),
             "queue_max": admission_run("QUEUE_MAX=6, X-Lpcache-Max-Wait 1 s", {"QUEUE_MAX": "6"}, True, say,
                                        max_wait="1")}
+
+
+def urgent_when(urgent: dict[str, Any]) -> str:
+    held = urgent.get("sent_while_the_burst_held_every_slot")
+    if held is None:
+        return "while the burst waited"   # a run of before 2026-12-06: sent as the burst began
+    return ("while the burst held every slot with requests waiting" if held else
+            "without seeing the burst hold every slot")
 
 
 def mean_ratio(alone: dict[str, Any], burst: dict[str, Any]) -> str:
@@ -323,10 +351,10 @@ def markdown(report: dict[str, Any]) -> str:
             out += [f"Figures of an earlier run, on {a['kept_from']}:", ""]
         ratio = burst["b_wait_p50_ms"] / alone["b_wait_p50_ms"] if alone["b_wait_p50_ms"] else None
         answer = burst["b_latency_p50_s"] / alone["b_latency_p50_s"] if alone.get("b_latency_p50_s") else None
-        out += [f"Two client keys on 2 slots: key b's 4 agents (closed loop, {ADMISSION_STEPS + 1} turns each), alone "
-                "and beside key a's 12 agents sent "
-                "at once; one request of key b with `X-Lpcache-Priority: high` sent once b's agents are done, while "
-                "the burst holds both slots and still waits; then "
+        out += [f"Two client keys on 2 slots: key b's 4 agents (closed loop, {alone.get('b_turns', 3)} turns "
+                "each), alone and beside key a's 12 agents sent "
+                "at once; one request of key a with `X-Lpcache-Priority: high` (its burst asks for normal) sent once "
+                "b's agents are done, while the burst holds both slots and still waits; then "
                 "`QUEUE_MAX=6` under the same burst, key a asking `X-Lpcache-Max-Wait: 1`.", "",
                 table(["run", "key b: answer p50 s", "answer mean s", "wait for a slot p50 ms", "requests b / a",
                        "statuses", "Retry-After (s)"],
@@ -344,8 +372,7 @@ def markdown(report: dict[str, Any]) -> str:
                 "fair shares (arrival order) key b's requests queue behind the whole burst of 12."
                 if ratio and answer else "",
                 f"The high-priority request, sent "
-                f"{'while' if burst['urgent'].get('sent_while_the_burst_held_every_slot') else 'although not seen'} "
-                f"the burst held every slot with requests waiting, waited {burst['urgent'].get('queue_ms')} ms for "
+                f"{urgent_when(burst['urgent'])}, waited {burst['urgent'].get('queue_ms')} ms for "
                 f"its slot; the longest a request held a slot in that run: {burst['urgent'].get('longest_hold_ms')} "
                 "ms (target: at most one running generation)." if burst.get("urgent") else "",
                 f"Refusals without Retry-After: {bounded['refusals_without_retry_after']}; 500s: "

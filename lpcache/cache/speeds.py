@@ -15,14 +15,14 @@ A `/slots` call also waits: llama-server runs it between two of its batches, so 
 (another slot's prefill: seconds on a CPU), and the request after it waits one more. That wait (`wait_ms`: the call's
 time less the server's own `save_ms` / `restore_ms`) is a fixed cost per call, whatever the file's size: a restore
 pays only when the prefill it spares beats it too, and a short prompt's file may not be worth its save. It is the
-median of the recent calls' waits: one call behind another slot's long prompt (18 s of a 1,300-token prefill on a
-loaded CPU) made an average of them several seconds, and a session's restore that spared 400 tokens was judged
-slower than their prefill for the turns after it.
+mean of the last RECENT calls' waits less the longest one: one call that came during another slot's long prompt
+(18 s of a 1,300-token prefill on a loaded CPU) made an average of every call several seconds for the decisions
+right after it, enough to judge a session's restore sparing 400 tokens slower than their prefill; a server whose
+calls often wait that long (a third of them, say) still counts it.
 """
 
 from __future__ import annotations
 
-import statistics
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -79,8 +79,7 @@ class Speeds:
     generate: Rate = field(default_factory=lambda: Rate(min_tokens=MIN_DECODED, quantile=DECODE_QUANTILE))
     save: Rate = field(default_factory=Rate)
     chars_per_token: float | None = None
-    wait_ms: float | None = None   # a /slots call's wait for the server's batch under way (median, ms), when measured
-    waits: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
+    waits: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))   # recent /slots calls' waits, ms
 
     @classmethod
     def new(cls) -> Speeds:
@@ -99,7 +98,15 @@ class Speeds:
         if call_ms <= 0 or work_ms <= 0 or work_ms > call_ms:
             return   # the server did not say (a stand-in), or clocks disagree: nothing learnt
         self.waits.append(call_ms - work_ms)
-        self.wait_ms = statistics.median(self.waits)
+
+    @property
+    def wait_ms(self) -> float | None:
+        """A /slots call's wait for the server's batch under way (ms; None until measured): the recent calls'
+        mean without the longest."""
+        waits = sorted(self.waits)
+        if len(waits) > 1:
+            waits.pop()
+        return sum(waits) / len(waits) if waits else None
 
     def tokens_of(self, blocks: int) -> float:
         """Tokens in `blocks` identity blocks, as far as this backend's ratio tells."""

@@ -213,7 +213,8 @@ def test_two_replicas_with_random_assignment_compute_about_the_ideal_and_never_s
                 f"({run.computed / total:.3f}x), {seconds:.0f} s; routes {routes}; Redis calls {calls} "
                 f"({calls / len(records):.1f} per request), claims refused "
                 f"{sum(f.stats.claims_refused for f in fleets if f)}; restores skipped (a prefill judged faster) "
-                f"{sum(1 for r in records if r.restore_skipped)}; speeds {speeds_of(replicas[0])}")
+                f"{sum(1 for r in records if r.restore_skipped)}; speeds "
+                + " | ".join(f"replica{i}: {speeds_of(p)}" for i, p in enumerate(replicas)))
         over = [f"turn {i} ({workload[i].kind} u{workload[i].user} r{workload[i].turn}) via {via} slot {slot}: "
                 f"{n} computed, ideal {ideal_tokens[i]}; session's requests:{explain(records, workload[i].session)}"
                 for i, (n, via, slot) in sorted(run.computed_by_turn.items()) if n > ideal_tokens[i] + 16]

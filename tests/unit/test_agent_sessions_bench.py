@@ -47,3 +47,12 @@ def test_without_an_earlier_result_nothing_is_added(tmp_path: Path) -> None:
     (tmp_path / "broken.json").write_text("{not json")
     ag.keep_parts_not_run(report, tmp_path / "broken.json")
     assert "sessions" not in report
+
+
+def test_the_high_priority_request_is_described_as_it_was_sent() -> None:
+    sent = {"queue_ms": 900.0, "longest_hold_ms": 9000.0}
+    assert ag.urgent_when({**sent, "sent_while_the_burst_held_every_slot": True}) == \
+        "while the burst held every slot with requests waiting"
+    assert ag.urgent_when({**sent, "sent_while_the_burst_held_every_slot": False}) == \
+        "without seeing the burst hold every slot"
+    assert ag.urgent_when(sent) == "while the burst waited", "a run from before the field: as it was described then"
