@@ -47,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import llama_machine_text, replace_section, stop_run, table  # noqa: E402
 from agents_replay import prompt_tokens  # noqa: E402
 from aiperf_scenario import computed_tokens  # noqa: E402
+from replay import metric  # noqa: E402
 
 from lpcache.workloads.agents import Session, sessions  # noqa: E402
 from lpcache.workloads.harness import REPO, LlamaServer, LpcacheProcess, llama_paths  # noqa: E402
@@ -211,18 +212,14 @@ def waits_of(log: Path, agent: str) -> list[float]:
 
 def burst_holds_all(url: str, key: str) -> bool:
     """Every slot busy and requests waiting in line (lpcache's /metrics, read with a client key)."""
-    values: dict[str, float] = {}
     try:
         r = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {key}"})
         r.raise_for_status()
     except httpx.HTTPError:
         return False   # not seen: the caller polls again until its deadline
-    for line in r.text.splitlines():
-        if line.startswith(("lpcache_slots_busy{", "lpcache_slots{", 'lpcache_queue_depth{priority="normal"}')):
-            name = line.split("{", 1)[0] + ("_normal" if "queue_depth" in line else "")
-            values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return values.get("lpcache_queue_depth_normal", 0.0) > 0 and \
-        values.get("lpcache_slots_busy", 0.0) >= values.get("lpcache_slots", 1.0) > 0
+    waiting = metric(r.text, "lpcache_queue_depth", {"priority": "normal"}) or 0.0
+    busy, slots = metric(r.text, "lpcache_slots_busy") or 0.0, metric(r.text, "lpcache_slots") or 0.0
+    return waiting > 0 and slots > 0 and busy >= slots
 
 
 def admission_run(label: str, settings: dict[str, str], burst: bool, say: Callable[[str], None],
