@@ -96,6 +96,21 @@ class SessionSeeds:
         folder = self.folders[backend].of(file) if backend < len(self.folders) else None
         return None if folder is None else folder.has(file)
 
+    def found_homes(self, file: str) -> frozenset[int]:
+        """The backends whose slot-save folder has the largest copy of a session's file (the most turns: a session
+        grows), for a session the book knows no home of: one another replica saved before this one heard of it
+        (Redis slow or down), or saved before a restart. Empty when no folder visible here has it."""
+        sizes: dict[int, int] = {}
+        for backend in range(len(self.folders)):
+            folder = self.folders[backend].of(file)
+            size = folder.size(file) if folder is not None else None
+            if size is not None:
+                sizes[backend] = size
+        if not sizes:
+            return frozenset()
+        largest = max(sizes.values())
+        return frozenset(b for b, size in sizes.items() if size == largest)
+
     def seed_lookup(self, prompt: Prompt, want: Content, info: SessionInfo,
                     files: Callable[[], Candidate | None]) -> Callable[[], Candidate | None]:
         """The best saved cache to start a session from: a prefix-mode file (`files`: `SlotFiller.lookup`), or the

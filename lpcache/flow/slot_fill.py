@@ -351,10 +351,11 @@ class SlotFiller:
     def session_homes(self, want: Content | None) -> frozenset[int]:
         """The backends whose slot-save folder has the session's newest file (where it was last saved, or a folder
         shared with that backend). A copy another server saved before it is older: restoring it would compute again
-        the turns saved since, so such a server is no home to choose or wait for."""
+        the turns saved since, so such a server is no home to choose or wait for. When the book knows of no save
+        (another replica's, not heard of yet): where the folders have its largest copy (`found_homes`)."""
         info = self.sessions.get(want.key) if want is not None else None
         if info is None or not info.homes:
-            return frozenset()
+            return self.seeds.found_homes(want.key) if want is not None else frozenset()
         newest = {info.latest} if info.latest is not None and info.latest < len(self.backends) else info.homes
         paths = {self.backends[i].config.slot_save_path for i in newest} - {None}
         return frozenset(b.index for b in self.backends

@@ -12,6 +12,7 @@ kind with its X-Session-ID; one thread per user) to a random replica:
 from __future__ import annotations
 
 import json
+import logging
 import random
 import threading
 import time
@@ -169,6 +170,17 @@ def explain(records: Sequence[Any], session: str) -> str:
     return "".join("\n    " + ", ".join(f"{f}={getattr(r, f)}" for f in fields) for r in mine)
 
 
+DECISIONS = ("session_away", "own_slot_still_busy", "restore_skipped", "waited_for_save", "save_deferred",
+             "slot_claims_local", "shared_write_failed", "shared_map_gap")
+
+
+def decisions(caplog: pytest.LogCaptureFixture, replicas: Sequence[Proxy]) -> str:
+    """The replicas' logged placement decisions (which replica: its port), for the message of a failed bound."""
+    port = {f"uvicorn-{p.url.rsplit(':', 1)[1]}": f"replica{i}" for i, p in enumerate(replicas)}
+    return "".join(f"\n    {r.created:.2f} {port.get(r.threadName or '', r.threadName)} {r.getMessage()[:700]}"
+                   for r in caplog.records if r.getMessage().startswith(DECISIONS))
+
+
 def check_one_holder(replicas: Sequence[Proxy], watch: SlotWatch) -> int:
     """No slot used by two replicas at once; every processing slot the servers showed was held by a replica.
     Returns the number of server observations checked."""
@@ -190,7 +202,8 @@ def check_one_holder(replicas: Sequence[Proxy], watch: SlotWatch) -> int:
 
 def test_two_replicas_with_random_assignment_compute_about_the_ideal_and_never_share_a_slot(
         servers: list[LlamaServer], redis_server: RedisServer, workload: list[Turn], ideal_tokens: list[int],
-        tmp_path: Any) -> None:
+        tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="lpcache")
     replicas = [Proxy(replica_settings(servers, redis_server, tmp_path, i)) for i in range(2)]
     try:
         for p in replicas:
@@ -212,13 +225,15 @@ def test_two_replicas_with_random_assignment_compute_about_the_ideal_and_never_s
         figures(f"\nscale-out, 2 replicas x 2 servers, random assignment: computed {run.computed}, ideal {total} "
                 f"({run.computed / total:.3f}x), {seconds:.0f} s; routes {routes}; Redis calls {calls} "
                 f"({calls / len(records):.1f} per request), claims refused "
-                f"{sum(f.stats.claims_refused for f in fleets if f)}; restores skipped (a prefill judged faster) "
+                f"{sum(f.stats.claims_refused for f in fleets if f)}, Redis errors "
+                f"{sum(f.stats.redis_errors for f in fleets if f)}, claims without Redis "
+                f"{sum(f.stats.local_claims for f in fleets if f)}; restores skipped (a prefill judged faster) "
                 f"{sum(1 for r in records if r.restore_skipped)}; speeds "
                 + " | ".join(f"replica{i}: {speeds_of(p)}" for i, p in enumerate(replicas)))
         over = [f"turn {i} ({workload[i].kind} u{workload[i].user} r{workload[i].turn}) via {via} slot {slot}: "
                 f"{n} computed, ideal {ideal_tokens[i]}; session's requests:{explain(records, workload[i].session)}"
                 for i, (n, via, slot) in sorted(run.computed_by_turn.items()) if n > ideal_tokens[i] + 16]
-        assert run.computed <= BOUND * total, "\n".join(over)
+        assert run.computed <= BOUND * total, "\n".join(over) + "\ndecisions:" + decisions(caplog, replicas)
         checked = check_one_holder(replicas, watch)
         assert checked > 0, "the watch saw slots processing"
         assert {r.backend for r in records} == {s.url for s in servers}, "both servers served"

@@ -440,3 +440,22 @@ def test_a_big_session_prompt_is_summarized_and_compared_off_the_event_loop(star
 
 async def _ident() -> int:
     return threading.get_ident()
+
+
+def test_a_session_saved_by_another_lpcache_is_restored_where_its_file_is(start_proxy: Any, start_backend: Any,
+                                                                           tmp_path: Any) -> None:
+    """A replica that has not heard of a session's save (Redis slow, or lpcache restarted with another META_DIR)
+    finds the server whose folder has the session's file, and continues there instead of computing the prompt on
+    the first free slot of another server."""
+    for path in ("first", "second"):
+        os.makedirs(tmp_path / path)
+    first = start_backend(slots=1, slot_save_path=str(tmp_path / "first"))
+    second = start_backend(slots=1, slot_save_path=str(tmp_path / "second"))
+    story = words(7, BIG)
+    start_proxy(second, meta_dir=str(tmp_path / "meta-a")).push(user(story), sid(S1))
+    assert os.listdir(tmp_path / "second") == [name(S1)]
+    proxy = start_proxy(first, second, meta_dir=str(tmp_path / "meta-b"))
+    r = proxy.push(user(story + " and then the rain stopped."), sid(S1))
+    assert r.status_code == 200, r.text
+    assert proxy.records[-1].backend == second.url, "continued where the session's file is"
+    assert r.json()["timings"]["cache_n"] >= BIG, "its history came from the file"

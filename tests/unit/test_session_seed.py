@@ -3,9 +3,11 @@ a seed's outcome counted only once its restore is over."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from lpcache.backends.slots import Content, Slot
 from lpcache.backends.swap import Folders
-from lpcache.cache.sessions import SessionBook
+from lpcache.cache.sessions import SessionBook, session_filename
 from lpcache.flow.session_seed import SessionSeeds
 
 
@@ -34,3 +36,21 @@ def test_a_seed_is_counted_once_its_restore_is_over() -> None:
     assert all("parent.bin" not in f.protected for f in seeds.folders)
     assert seeds.restored("parent", True) == "parent" and seeds.restored("session", False) is None
     assert seeds.seeds == {"parent": 1, "none": 1}
+
+
+def test_a_session_the_book_knows_no_save_of_is_looked_for_in_the_folders_largest_copy_first(tmp_path: Path) -> None:
+    """Another replica saved the session (its document not heard of yet) or lpcache restarted: the home is the
+    server whose folder has its largest copy (a session grows turn by turn); a folder shared by two servers makes
+    both homes; no copy anywhere: no home."""
+    paths = [tmp_path / "a", tmp_path / "b", tmp_path / "b", tmp_path / "c"]   # servers 1 and 2 share a folder
+    for p in paths:
+        p.mkdir(exist_ok=True)
+    seeds = SessionSeeds(SessionBook(), [], [Folders(str(p)) for p in paths] + [Folders(None)])
+    name = session_filename("m", "a" * 32)
+    assert seeds.found_homes(name) == frozenset()
+    (paths[0] / name).write_bytes(b"x" * 300)     # an older copy: two turns
+    (paths[1] / name).write_bytes(b"x" * 900)     # the newest: five turns
+    assert seeds.found_homes(name) == {1, 2}
+    (paths[3] / name).write_bytes(b"x" * 900)
+    assert seeds.found_homes(name) == {1, 2, 3}
+    assert seeds.found_homes("not-a-session.bin") == frozenset()
