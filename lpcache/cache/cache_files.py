@@ -67,6 +67,16 @@ class CacheFolder:
         except OSError:
             return None
 
+    def stat(self, name: str) -> tuple[float, int] | None:
+        """(modification time, size) of the file; None when it is not there or the folder is not visible."""
+        if not self.path:
+            return None
+        try:
+            st = os.stat(os.path.join(self.path, name))
+        except OSError:
+            return None
+        return st.st_mtime, st.st_size
+
     def touch(self, name: str) -> None:
         """A restored cache was just used: it is the last of its route to be deleted."""
         if self.path and self.owns(name):

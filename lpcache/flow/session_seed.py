@@ -97,19 +97,21 @@ class SessionSeeds:
         return None if folder is None else folder.has(file)
 
     def found_homes(self, file: str) -> frozenset[int]:
-        """The backends whose slot-save folder has the largest copy of a session's file (the most turns: a session
-        grows), for a session the book knows no home of: one another replica saved before this one heard of it
-        (Redis slow or down), or saved before a restart. Empty when no folder visible here has it."""
-        sizes: dict[int, int] = {}
-        for backend in range(len(self.folders)):
-            folder = self.folders[backend].of(file)
-            size = folder.size(file) if folder is not None else None
-            if size is not None:
-                sizes[backend] = size
-        if not sizes:
-            return frozenset()
-        largest = max(sizes.values())
-        return frozenset(b for b, size in sizes.items() if size == largest)
+        """The backends whose slot-save folder has the newest copy of a session's file (the last modified: a save
+        rewrites it; the largest on a tie), for a session the book knows no home of: one another replica saved
+        before this one heard of it (Redis slow or down), one the book forgot, or one saved before a restart with
+        another META_DIR. Empty when no folder visible here has it, or when a server's folder is not visible
+        (its copy may be the newest)."""
+        copies: dict[int, tuple[float, int]] = {}
+        for backend, folders in enumerate(self.folders):
+            folder = folders.of(file)
+            if folder is None or not folder.path:
+                return frozenset()
+            found = folder.stat(file)
+            if found is not None:
+                copies[backend] = found
+        newest = max(copies.values(), default=None)
+        return frozenset(b for b, copy in copies.items() if copy == newest)
 
     def seed_lookup(self, prompt: Prompt, want: Content, info: SessionInfo,
                     files: Callable[[], Candidate | None]) -> Callable[[], Candidate | None]:

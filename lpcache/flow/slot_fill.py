@@ -192,8 +192,8 @@ class SlotFiller:
     async def take_slot(self, prompt: Prompt, record: RequestRecord, allowed: Callable[[Slot], bool] | None = None,
                         want: Content | None = None, answer_tokens: int | None = None) -> Choice:
         session = want.key if want is not None else None
-        homes = self.session_homes(want)
         fresh = self.seeds.starts_anew(want, prompt, self.pool.slots) if want is not None else None
+        homes = self.session_homes(want) if fresh is None else frozenset()
         if fresh is not None and want is not None:
             # placed as in prefix mode (`session_seed`), never steered to a RAM another client key's prompt may fill
             seeds = self.seeds.seed_lookup(prompt, want, fresh, self.lookup(prompt))
@@ -580,8 +580,8 @@ class SlotFiller:
             record.restore_exact = True
             # a copy an earlier turn left in this server's folder, older than the one saved since on another
             # server's: it spares what it holds, and what that is the newest file's chain does not say
-            newest = info is not None and backend.index in self.session_homes(want)
-            if info is not None and newest and info.saved_chain and prompt.exact:
+            newest = info is not None and bool(info.saved_chain) and backend.index in self.session_homes(want)
+            if info is not None and newest and prompt.exact:
                 shared = common_prefix(info.saved_chain, prompt.exact)
                 record.restore_share = shared / len(prompt.exact)
                 record.restore_expected = (record.restored_tokens or 0) * shared / len(info.saved_chain)

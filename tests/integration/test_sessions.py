@@ -452,10 +452,14 @@ def test_a_session_saved_by_another_lpcache_is_restored_where_its_file_is(start_
     first = start_backend(slots=1, slot_save_path=str(tmp_path / "first"))
     second = start_backend(slots=1, slot_save_path=str(tmp_path / "second"))
     story = words(7, BIG)
-    start_proxy(second, meta_dir=str(tmp_path / "meta-a")).push(user(story), sid(S1))
+    earlier = start_proxy(second, meta_dir=str(tmp_path / "meta-a"))
+    earlier.push(user(story), sid(S1))
+    earlier.stop()
     assert os.listdir(tmp_path / "second") == [name(S1)]
     proxy = start_proxy(first, second, meta_dir=str(tmp_path / "meta-b"))
+    restores = mock_stats(second)["restores"]
     r = proxy.push(user(story + " and then the rain stopped."), sid(S1))
     assert r.status_code == 200, r.text
     assert proxy.records[-1].backend == second.url, "continued where the session's file is"
+    assert r.headers["x-lpcache-restored"] == "true" and mock_stats(second)["restores"] == restores + 1
     assert r.json()["timings"]["cache_n"] >= BIG, "its history came from the file"
