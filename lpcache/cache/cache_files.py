@@ -60,12 +60,8 @@ class CacheFolder:
         return os.path.isfile(os.path.join(self.path, name))
 
     def size(self, name: str) -> int | None:
-        if not self.path:
-            return None
-        try:
-            return os.stat(os.path.join(self.path, name)).st_size
-        except OSError:
-            return None
+        found = self.stat(name)
+        return None if found is None else found[1]
 
     def stat(self, name: str) -> tuple[float, int] | None:
         """(modification time, size) of the file; None when it is not there or the folder is not visible."""

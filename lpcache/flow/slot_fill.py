@@ -352,7 +352,7 @@ class SlotFiller:
         """The backends whose slot-save folder has the session's newest file (where it was last saved, or a folder
         shared with that backend). A copy another server saved before it is older: restoring it would compute again
         the turns saved since, so such a server is no home to choose or wait for. When the book knows of no save
-        (another replica's, not heard of yet): where the folders have its largest copy (`found_homes`)."""
+        (another replica's, not heard of yet): where the folders have its newest copy (`found_homes`)."""
         info = self.sessions.get(want.key) if want is not None else None
         if info is None or not info.homes:
             return self.seeds.found_homes(want.key) if want is not None else frozenset()
