@@ -103,11 +103,14 @@ class SessionSeeds:
         another META_DIR. Empty when no folder visible here has it, or when a server's folder is not visible
         (its copy may be the newest)."""
         copies: dict[int, tuple[float, int]] = {}
+        stats: dict[str, tuple[float, int] | None] = {}   # one look per folder, however many servers share it
         for backend, folders in enumerate(self.folders):
             folder = folders.of(file)
             if folder is None or not folder.path:
                 return frozenset()
-            found = folder.stat(file)
+            if folder.path not in stats:
+                stats[folder.path] = folder.stat(file)
+            found = stats[folder.path]
             if found is not None:
                 copies[backend] = found
         newest = max(copies.values(), default=None)
