@@ -315,7 +315,7 @@ class Attempts:
                 else:   # the server chooses the slot, and finds what it holds of the prompt itself
                     self.p.filler.release_choice(choice)
                     self.p.pool.handed_over(choice.slot)
-                    self.record.route, self.record.restored, self.record.slot = "unpinned", False, -1
+                    self.record.route, self.record.slot = "unpinned", -1   # no restore tried: none counted
                     unpin(self.body)
                 self.record.step("slot_fill", filled_from, restored=self.record.restored,
                                  saved_previous=self.record.swap_saved)

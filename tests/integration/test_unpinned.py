@@ -116,7 +116,11 @@ def test_requests_go_unpinned_and_the_server_queues_them(start_backend: Any, sta
     assert after["pinned_to_busy"] == 0 and after["saves"] == 0
     until(lambda: idle_everywhere(proxy))
     assert [r.route for r in proxy.records[-6:]] == ["unpinned"] * 6
-    assert 'lpcache_unpinned_requests_total 10.0' in proxy.client.get("/metrics").text
+    metrics = proxy.client.get("/metrics").text
+    assert 'lpcache_unpinned_requests_total 10.0' in metrics
+    # no restore was tried for them: none counted as failed, on /metrics or the dashboard
+    assert 'lpcache_restores_total{result="failed"} 0.0' in metrics
+    assert [r.restored for r in proxy.records[-6:]] == [None] * 6
 
 
 def test_a_return_the_server_lost_pins_requests_again_without_overlap(start_backend: Any, start_proxy: Any,
