@@ -397,6 +397,20 @@ def slot_handovers(log: bytes) -> dict[str, Any]:
             "handover_idle_s": round(sum(gaps), 2)}
 
 
+def cpu_seconds(processes: dict[str, Any]) -> dict[str, float]:
+    """The CPU seconds (user and system) each started process has used so far, from /proc (Linux); on 2 cores
+    what a proxy uses is taken from llama-server's prefill. Empty where /proc is not there."""
+    used: dict[str, float] = {}
+    for name, started in processes.items():
+        popen = getattr(started, "process", None)
+        try:
+            fields = Path(f"/proc/{popen.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (AttributeError, OSError, IndexError):
+            continue
+        used[name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return used
+
+
 def sent_figures(sent: Sequence[Any], out: Path) -> dict[str, Any]:
     """What aiperf's raw export says of a run's requests: answers fed back, requests in flight, every error."""
     checked, same = fed_back(sent)
@@ -474,12 +488,16 @@ def one_run(setup: Setup, args: argparse.Namespace, prep: Prepared, aiperf: str,
             url = proxy.url
         out = work / "aiperf"
         llama_url = server.url
+        processes = {"llama_server": server, "lpcache": proxy}
         timed = timed_aiperf(url, setup, args, prep, (aiperf, tokenizer, hub), work,
-                             lambda: computed_tokens(llama_url))
+                             lambda: (computed_tokens(llama_url), cpu_seconds(processes)))
         proc, wall, load_before = timed.proc, timed.wall, timed.load_before
         if proc is None:
             return {**base, "skipped": f"aiperf did not finish in {args.timeout:g} s (--timeout)"}
-        computed = computed_tokens(server.url) - timed.before
+        computed = computed_tokens(server.url) - timed.before[0]
+        cpu_after = cpu_seconds(processes)
+        cpu = {f"cpu_s_{name}": round(cpu_after[name] - t, 1)
+               for name, t in timed.before[1].items() if name in cpu_after}
         load_after = os.getloadavg()[0]
         if not (out / "profile_export_aiperf.json").is_file():
             return {**base, **no_results(work, proc)}
@@ -492,7 +510,7 @@ def one_run(setup: Setup, args: argparse.Namespace, prep: Prepared, aiperf: str,
             **sent_figures(sent, out),
             "aiperf_exit": proc.returncode, "wall_s": round(wall, 1),
             "load_1m_before": round(load_before, 2), "load_1m_after": round(load_after, 2),
-            **slot_handovers(server.log_path.read_bytes()),
+            **slot_handovers(server.log_path.read_bytes()), **cpu,
         }
         if proxy is not None:
             result["lpcache"] = lpcache_figures(proxy.url)

@@ -29,7 +29,7 @@ from lpcache.backends.router_models import RouterModels
 from lpcache.backends.slot_pool import Lease, SlotPool
 from lpcache.backends.slot_truth import SlotTruth
 from lpcache.backends.slots import Content, Slot
-from lpcache.cache.prefix import Prompt
+from lpcache.cache.prefix import Prompt, common_prefix
 from lpcache.cache.reuse import REUSE_MIN_TOKENS
 from lpcache.cache.sessions import route_name
 from lpcache.errors import BackendError, BackendUnreachable, ProxyError
@@ -279,6 +279,14 @@ class Attempts:
 
         return ok
 
+    def _file_blocks(self, choice: Choice) -> int:
+        """How much of the prompt a saved file holds: the one placement would restore (prefix mode), or the
+        session's own."""
+        if choice.restore is not None:
+            return choice.restore.shared
+        info = self.p.filler.sessions.get(self.want.key) if self.want is not None else None
+        return common_prefix(info.saved_chain, self.prompt.exact) if info is not None and info.saved_chain else 0
+
     async def _once(self) -> Upstream:
         self.sent = False
         waited_from = now_ns()   # checking what the slots hold is part of the way to one (`slot_wait`)
@@ -297,7 +305,12 @@ class Attempts:
             # other passes `allowed` meanwhile.
             probe = backend.breaker.claim(time.monotonic())
             if probe or self.allowed()(choice.slot):
-                break
+                unpinned = self.p.unpinned
+                if not (unpinned.unpinned(backend.index)
+                        and unpinned.pins_for_file(backend, self.prompt, self._file_blocks(choice))):
+                    break
+                if probe:   # requests are pinned again first: this one waits for it, and chooses again
+                    backend.breaker.unclaim()
             # another try took the backend's one probe while this one waited for the slot: choose again
             self.p.filler.release_choice(choice)
             self.p.pool.release(choice.slot, True, used=False)

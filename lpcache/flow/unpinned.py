@@ -15,9 +15,10 @@ pool as before (the pool's line, classes and fair shares still decide who goes n
 and gives its slot back at its first token, while the server still generates: the next one is then queued inside
 the server. `to_pinned`: when a prompt left to the server comes back short (a miss: files would spare something
 again), no slot is handed out until every unpinned request has ended, and (`draining`) until the server says its
-slots are idle; only then is a request pinned again, every slot's content unknown. The two kinds never overlap on a
-backend: llama-server b11434 runs its RAM cache's load on a pinned slot even while that slot computes another
-request (`get_available_slot`, "Pinned + busy slot" in the llama-server notes).
+slots are idle; only then is a request pinned again, every slot's content unknown. The same switch is made ahead of
+a miss when a saved file holds much more of a prompt than the server's RAM likely does (`pins_for_file`). The two
+kinds never overlap on a backend: llama-server b11434 runs its RAM cache's load on a pinned slot even while that
+slot computes another request (`get_available_slot`, "Pinned + busy slot" in the llama-server notes).
 
 Only where nothing else needs a slot pinned: one backend, no REDIS_URL (another replica's pins), not a router,
 BIG_THRESHOLD_WORDS=auto, and the backend's caches enabled. No save, restore or idle save is made there meanwhile.
@@ -132,6 +133,31 @@ class UnpinnedMode:
             self.server_caches.held(backend.index, prompt.exact)
         if not all(backend.ram.recent(now)) and now >= self.pinned_after[backend.index]:
             self._switch(backend.index, TO_PINNED)   # a miss lately, here or seen elsewhere: files may pay again
+
+    def pins_for_file(self, backend: Backend, prompt: Prompt, file_blocks: int) -> bool:
+        """A request handed a slot of an unpinned backend, whose prompt a saved file holds `file_blocks` of: when
+        that is more than the server's RAM likely holds (the cache was restored over in its slot while requests
+        were pinned, and never copied to the RAM), sent unpinned the server would compute the difference again. If
+        that prefill beats the most a switch there and back can cost (hand-outs closed, at most SWITCH_SECONDS each
+        way, on every slot of the backend), requests are pinned again and this one waits for it, to restore the
+        file; otherwise it goes unpinned (a short turn's miss costs less than the switch)."""
+        b = backend.index
+        if self.state[b] != UNPINNED or file_blocks <= 0 or time.monotonic() < self.pinned_after[b]:
+            return False
+        found = self.server_caches.find(prompt.exact)
+        ram_blocks = found[1] if found is not None and found[0] == b else 0
+        if file_blocks <= ram_blocks:
+            return False
+        speeds = self.speeds.of(b, RouterModels.served(backend, prompt.model))
+        spared = speeds.prefill.seconds(speeds.tokens_of(file_blocks) - speeds.tokens_of(ram_blocks))
+        switch = 2 * SWITCH_SECONDS * sum(1 for s in self.pool.slots if s.backend == b)
+        if spared is None or spared <= switch:
+            return False
+        log.info("pinned_for_file url=%s file_blocks=%d ram_blocks=%d spared_s=%.1f switch_s=%.0f: a saved file "
+                 "holds more of the prompt than the server's RAM likely does; requests are pinned again to restore "
+                 "it", backend.url, file_blocks, ram_blocks, spared, switch)
+        self._switch(b, TO_PINNED)
+        return True
 
     # ---- pinned requests ----
 

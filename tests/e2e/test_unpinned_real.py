@@ -102,3 +102,50 @@ def test_requests_go_unpinned_while_the_ram_serves_and_pinned_again_after_a_miss
     lost = [r for r in later if not found(r)]
     assert len(lost) <= 2, lost
     assert sum(r["prompt_n"] for r in rows) <= 0.35 * sum(r["prompt_n"] + r["cache_n"] for r in rows)
+
+
+def test_a_conversation_only_a_file_holds_pins_requests_again_and_is_restored(tmp_path: Any) -> None:
+    """A long conversation saved while requests were pinned, then gone from the server (what a restore over its slot
+    does: no copy to the RAM): once requests go unpinned, its return is worth a switch back to pinned (its prefill,
+    here as measured for a large model on a CPU, beats 20 s), and the real server restores it from its file."""
+    rng = random.Random(11)
+    story = [{"role": "system", "content": "You are a storyteller. Short sentences, please."},
+             {"role": "user", "content": chats.text(rng, 900)}]
+    with behind_lpcache(tmp_path, None, big_threshold_words=None) as proxy:
+        mode = proxy.pipeline.unpinned
+        text, timings, _ = streamed(proxy.url, story)
+        proxy.settle()
+        assert proxy.records[-1].saved, "a long prompt on a RAM never seen is saved"
+        held = timings["cache_n"] + timings["prompt_n"]
+        story.append({"role": "assistant", "content": text})
+        for slot in (0, 1):   # gone from the server: neither slot holds it (nothing launched since: not in its RAM)
+            r = httpx.post(f"{proxy.pipeline.backends[0].url}/slots/{slot}?action=erase", timeout=60)
+            assert r.status_code == 200, r.text
+
+        async def trusted() -> None:   # as after enough probes: this small model's chats all fit in its RAM
+            for _ in range(RAM_TRUST):
+                proxy.pipeline.backends[0].ram.seen(True, time.monotonic())
+        proxy.run(trusted())
+        others: list[list[dict[str, Any]]] = [[], []]
+        turns = 0
+        while mode.state[0] != "unpinned":
+            assert turns < 12, mode.state[0]
+            for history in others:
+                history.append({"role": "user", "content": chats.text(rng, rng.randint(10, 30))})
+                history.append({"role": "assistant", "content": streamed(proxy.url, history)[0]})
+            proxy.settle()
+            turns += 1
+
+        async def forget_and_slow() -> None:
+            # lpcache's own view of a restore over the slot (`server_cache.gone`); a large model's prefill
+            proxy.pipeline.unpinned.server_caches._where.clear()
+            proxy.pipeline.speeds.of(0, "").prefill.ms_per_token = 100.0
+        proxy.run(forget_and_slow())
+        story.append({"role": "user", "content": "And then? One sentence."})
+        _, timings, slot = streamed(proxy.url, story)
+        proxy.settle()
+        record = proxy.records[-1]
+    figures(f"a conversation only a file holds, back while unpinned: route {record.route}, slot {slot}, cache_n "
+            f"{timings['cache_n']} of the {held} its file holds, prompt_n {timings['prompt_n']}")
+    assert record.route == "restore" and record.restored and slot != "0:-1", (record.route, slot)
+    assert timings["cache_n"] >= held - 1, (timings, held)

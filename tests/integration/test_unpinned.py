@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 import httpx
+import pytest
 
 from lpcache.cache.server_cache import RAM_TRUST
 from lpcache.flow.unpinned import QUIET_REQUESTS
@@ -181,3 +182,44 @@ def test_only_auto_on_one_backend_without_replicas_goes_unpinned(start_backend: 
         converse(two, [[], []], turn)
     assert set(two.pipeline.unpinned.state.values()) == {"pinned"}
     assert mock_stats(a)["unpinned_requests"] == mock_stats(b)["unpinned_requests"] == 0
+
+
+@pytest.mark.parametrize("session", [None, "conte-du-phare"])
+def test_a_file_the_server_s_ram_lacks_pins_requests_again_to_restore_it(start_backend: Any, start_proxy: Any,
+                                                                          session: str | None) -> None:
+    """A long conversation saved while requests were pinned, then restored over (so never copied to the server's
+    RAM): once requests go unpinned, its return would be computed again by the server. Its file spares more than
+    a switch costs, so requests are pinned again and the file restored."""
+    backend = start_backend(slots=2, prefill_ms_per_token=0.2, kv_bytes_per_token=23_040)
+    proxy = start_proxy(backend, big_threshold_words=None)
+    story = [{"role": "system", "content": "Tu es un conteur. Réponds en français, avec des phrases courtes."},
+             {"role": "user", "content": "Raconte l'histoire d'un phare 🗼 au bord de la mer, " * 80}]
+    headers = {"X-Session-ID": session} if session else None
+    r = proxy.chat(story, headers, max_tokens=6)
+    assert r.status_code == 200, r.text
+    story.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
+    proxy.settle()
+    assert proxy.records[-1].saved, "a long prompt on a RAM never seen is saved"
+    histories: list[list[dict[str, Any]]] = [[], []]
+    go_unpinned(proxy, histories)
+    before = mock_stats(backend)
+
+    def forget_and_slow() -> None:
+        # what a real server shows here: the story was restored over, so its RAM lacks it (`server_cache.gone`),
+        # and its prefill is measured at 100 ms a token (a large model on a CPU)
+        pipeline = proxy.pipeline
+        pipeline.unpinned.server_caches._where.clear()
+        pipeline.speeds.of(0, "").prefill.ms_per_token = 100.0
+    on_loop(proxy, forget_and_slow)
+    until(lambda: idle_everywhere(proxy))
+    for slot in (0, 1):   # and no slot of the server holds it either
+        assert httpx.post(f"{backend.url}/slots/{slot}?action=erase", timeout=10).status_code == 200
+    story.append({"role": "user", "content": "Et ensuite ? Une phrase."})
+    r = proxy.chat(story, headers, max_tokens=6)
+    assert r.status_code == 200, r.text
+    record = proxy.records[-1]
+    assert record.route == ("session" if session else "restore") and record.restored, (record.route, record.restored)
+    assert r.json()["timings"]["cache_n"] > 0.8 * r.json()["usage"]["prompt_tokens"]
+    after = mock_stats(backend)
+    assert after["restores"] == before["restores"] + 1 and after["pinned_to_busy"] == 0
+    assert state(proxy) == "pinned"

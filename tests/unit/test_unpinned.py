@@ -179,3 +179,34 @@ def test_a_server_that_does_not_say_its_slots_are_idle_keeps_requests_unpinned()
         assert mode.state[0] == "unpinned"                 # not tried again before the back-off is over
 
     asyncio.run(run())
+
+
+def test_a_file_the_ram_lacks_pins_again_when_its_prefill_beats_the_switch() -> None:
+    """A conversation restored over while requests were pinned is in a file only: sent unpinned, the server would
+    compute it all again. Worth pinning for when that prefill beats a switch there and back (2 x SWITCH_SECONDS on
+    each of the 2 slots: 20 s); a short one is left to the server."""
+    async def run() -> None:
+        mode, backend, pool, spawned = _setup()
+        _trusted(backend)
+        _quiet(mode, backend)
+        assert mode.state[0] == "unpinned"
+        prompt = Prompt.of("m", [{"role": "user", "content": "Une longue conversation, déjà vue. " * 400}], 10)
+        blocks = len(prompt.exact)
+        speeds = mode.speeds.of(0, "")
+        tokens = speeds.tokens_of(blocks)
+        assert not mode.pins_for_file(backend, prompt, blocks)        # no prefill measured yet: nothing to weigh
+        speeds.prefill.ms_per_token = 25_000.0 / tokens               # the whole file spares 25 s
+        assert not mode.pins_for_file(backend, prompt, blocks // 5)   # 5 s: less than the switch
+        half = blocks // 2
+        mode.server_caches.held(0, prompt.exact[:half])               # the RAM holds half: 12.5 s left to spare
+        assert not mode.pins_for_file(backend, prompt, blocks)
+        assert mode.state[0] == "unpinned"
+        mode.server_caches = ServerCaches()                            # the RAM holds none of it
+        mode.server_caches.held(0, Prompt.of("m", [{"role": "user", "content": "Something else."}], 10).exact)
+        assert mode.pins_for_file(backend, prompt, blocks)
+        assert mode.state[0] in ("to_pinned", "draining") and pool.idle() == []   # no hand-out until pinned
+        await asyncio.gather(*spawned)
+        assert mode.state[0] == "pinned" and len(pool.idle()) == 2
+        assert not mode.pins_for_file(backend, prompt, blocks)        # pinned already: the restore is placement's
+
+    asyncio.run(run())
