@@ -87,6 +87,7 @@ class Attempts:
         self.want = want                    # session mode: the session's cache the slot must hold
         self.excluded: set[int] = set()    # backends that failed this request
         self.failed: set[Slot] = set()      # slots that failed this request
+        self.asked_to_pin = False           # it asked for requests to be pinned again (`_pins_for_file`)
         self.deadline = time.monotonic() + crew.request_timeout
         self.choice: Choice | None = None
         self.backend: Backend | None = None
@@ -279,13 +280,26 @@ class Attempts:
 
         return ok
 
-    def _file_blocks(self, choice: Choice) -> int:
-        """How much of the prompt a saved file holds: the one placement would restore (prefix mode), or the
-        session's own."""
+    def _file_blocks(self, choice: Choice, backend: Backend) -> int:
+        """How much of the prompt a saved file would bring once pinned: the one placement chose to restore (prefix
+        mode, a new session's seed), or a session's own file (kept: a session whose file is gone starts anew, and
+        is seeded as placement decides)."""
         if choice.restore is not None:
             return choice.restore.shared
-        info = self.p.filler.sessions.get(self.want.key) if self.want is not None else None
+        if self.want is None or choice.seed or not self.p.filler.enabled(backend, self.prompt.model):
+            return 0
+        info = self.p.filler.sessions.get(self.want.key)
         return common_prefix(info.saved_chain, self.prompt.exact) if info is not None and info.saved_chain else 0
+
+    def _pins_for_file(self, choice: Choice, backend: Backend) -> bool:
+        """Whether this request, handed a slot of a backend whose requests go unpinned, waits for them to be
+        pinned again instead, to restore a file the server's RAM lacks (`UnpinnedMode.pins_for_file`): asked once
+        a request, so a switch called off, or undone before its turn came, does not make it ask again."""
+        unpinned = self.p.unpinned
+        if self.asked_to_pin or not unpinned.unpinned(backend.index):
+            return False
+        self.asked_to_pin = unpinned.pins_for_file(backend, self.prompt, self._file_blocks(choice, backend))
+        return self.asked_to_pin
 
     async def _once(self) -> Upstream:
         self.sent = False
@@ -305,14 +319,14 @@ class Attempts:
             # other passes `allowed` meanwhile.
             probe = backend.breaker.claim(time.monotonic())
             if probe or self.allowed()(choice.slot):
-                unpinned = self.p.unpinned
-                if not (unpinned.unpinned(backend.index)
-                        and unpinned.pins_for_file(backend, self.prompt, self._file_blocks(choice))):
+                if not self._pins_for_file(choice, backend):
                     break
                 if probe:   # requests are pinned again first: this one waits for it, and chooses again
                     backend.breaker.unclaim()
-            # another try took the backend's one probe while this one waited for the slot: choose again
+            # another try took the backend's one probe while this one waited for the slot: choose again (in its
+            # place in line, `RequestRecord.ticket`; no hold counted: it served nothing)
             self.p.filler.release_choice(choice)
+            choice.slot.taken_at = 0.0
             self.p.pool.release(choice.slot, True, used=False)
         # Whatever is raised below gives the slot back; what it then holds: unknown, unless said otherwise.
         lease = Lease(self.p.pool, choice)
@@ -328,7 +342,8 @@ class Attempts:
                 else:   # the server chooses the slot, and finds what it holds of the prompt itself
                     self.p.filler.release_choice(choice)
                     self.p.pool.handed_over(choice.slot)
-                    self.record.route, self.record.slot = "unpinned", -1   # no restore tried: none counted
+                    # no restore tried, none skipped: none counted
+                    self.record.route, self.record.slot, self.record.restore_skipped = "unpinned", -1, None
                     unpin(self.body)
                 self.record.step("slot_fill", filled_from, restored=self.record.restored,
                                  saved_previous=self.record.swap_saved)

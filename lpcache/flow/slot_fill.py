@@ -221,7 +221,7 @@ class SlotFiller:
         except (SlotsBusy, QueueFull) as e:
             record.reason = "slot_timeout" if e.code == "all_slots_busy" else str(e.code)
             raise
-        record.queue_ms = (time.perf_counter() - started) * 1000.0
+        record.queue_ms, record.ticket = (time.perf_counter() - started) * 1000.0, asked.ticket   # its place kept
         self.pool.waited(asked, record.queue_ms / 1000.0)
         if want is None or fresh is not None:
             choice = await self.after_save_under_way(choice, asked, prompt)

@@ -138,11 +138,13 @@ class UnpinnedMode:
         """A request handed a slot of an unpinned backend, whose prompt a saved file holds `file_blocks` of: when
         that is more than the server's RAM likely holds (the cache was restored over in its slot while requests
         were pinned, and never copied to the RAM), sent unpinned the server would compute the difference again. If
-        that prefill beats the most a switch there and back can cost (hand-outs closed, at most SWITCH_SECONDS each
-        way, on every slot of the backend), requests are pinned again and this one waits for it, to restore the
-        file; otherwise it goes unpinned (a short turn's miss costs less than the switch)."""
+        that prefill beats a switch there and back (a bar, not a bound: hand-outs closed up to SWITCH_SECONDS at
+        each of the two switches, on every slot of the backend; the pinned requests between them pay hand-overs),
+        requests are pinned again and this one gives its slot back and waits for it, to restore the file (also
+        when a switch is under way already); otherwise it goes unpinned (a short turn's miss costs less)."""
         b = backend.index
-        if self.state[b] != UNPINNED or file_blocks <= 0 or time.monotonic() < self.pinned_after[b]:
+        state = self.state[b]
+        if state not in (UNPINNED, TO_PINNED) or file_blocks <= 0 or time.monotonic() < self.pinned_after[b]:
             return False
         found = self.server_caches.find(prompt.exact)
         ram_blocks = found[1] if found is not None and found[0] == b else 0
@@ -153,6 +155,8 @@ class UnpinnedMode:
         switch = 2 * SWITCH_SECONDS * sum(1 for s in self.pool.slots if s.backend == b)
         if spared is None or spared <= switch:
             return False
+        if state == TO_PINNED:
+            return True
         log.info("pinned_for_file url=%s file_blocks=%d ram_blocks=%d spared_s=%.1f switch_s=%.0f: a saved file "
                  "holds more of the prompt than the server's RAM likely does; requests are pinned again to restore "
                  "it", backend.url, file_blocks, ram_blocks, spared, switch)

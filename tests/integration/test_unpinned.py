@@ -210,8 +210,8 @@ def test_a_file_the_server_s_ram_lacks_pins_requests_again_to_restore_it(start_b
         pipeline = proxy.pipeline
         pipeline.unpinned.server_caches._where.clear()
         pipeline.speeds.of(0, "").prefill.ms_per_token = 100.0
+    until(lambda: idle_everywhere(proxy))   # (no answer left to learn a speed from after the one set below)
     on_loop(proxy, forget_and_slow)
-    until(lambda: idle_everywhere(proxy))
     for slot in (0, 1):   # and no slot of the server holds it either
         assert httpx.post(f"{backend.url}/slots/{slot}?action=erase", timeout=10).status_code == 200
     story.append({"role": "user", "content": "Et ensuite ? Une phrase."})

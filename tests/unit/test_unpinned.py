@@ -203,8 +203,15 @@ def test_a_file_the_ram_lacks_pins_again_when_its_prefill_beats_the_switch() -> 
         assert mode.state[0] == "unpinned"
         mode.server_caches = ServerCaches()                            # the RAM holds none of it
         mode.server_caches.held(0, Prompt.of("m", [{"role": "user", "content": "Something else."}], 10).exact)
+        other = (await pool.acquire(Want())).slot                     # another request, handed a slot meanwhile
+        mode.began(0)
         assert mode.pins_for_file(backend, prompt, blocks)
-        assert mode.state[0] in ("to_pinned", "draining") and pool.idle() == []   # no hand-out until pinned
+        assert mode.state[0] == "to_pinned" and pool.idle() == [] and mode.closed(0)
+        assert mode.pins_for_file(backend, prompt, blocks)             # one handed a slot with it: waits as well
+        assert not mode.pins_for_file(backend, prompt, blocks // 5)   # a short one goes on, unpinned
+        pool.release(other, None)
+        mode.ended(0)
+        assert mode.state[0] == "draining" and pool.idle() == []      # no hand-out until pinned
         await asyncio.gather(*spawned)
         assert mode.state[0] == "pinned" and len(pool.idle()) == 2
         assert not mode.pins_for_file(backend, prompt, blocks)        # pinned already: the restore is placement's
