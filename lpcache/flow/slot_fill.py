@@ -88,8 +88,7 @@ class SlotFiller:
         """(files a slot's cache holds all of but a short end, the slots' own files), of the idle slots that save their
         cache before anything replaces it. None with REDIS_URL: another replica replaces a slot without saving what
         this one left there (it does not know its prompt); nor at shutdown: a slot saved then is never replaced."""
-        covered: list[str] = []
-        own: list[str] = []
+        covered, own = list[str](), list[str]()
         if self.pool.claims is not None or self.saver.stopping:
             return covered, own
         for s in self.pool.slots:
@@ -221,8 +220,9 @@ class SlotFiller:
         except (SlotsBusy, QueueFull) as e:
             record.reason = "slot_timeout" if e.code == "all_slots_busy" else str(e.code)
             raise
-        record.queue_ms, record.ticket = (time.perf_counter() - started) * 1000.0, asked.ticket   # its place kept
-        self.pool.waited(asked, record.queue_ms / 1000.0)
+        waited, record.ticket = time.perf_counter() - started, asked.ticket   # its place kept if it waits again
+        record.queue_ms = (record.queue_ms or 0.0) + waited * 1000.0   # every wait of the request for a slot
+        self.pool.waited(asked, waited)
         if want is None or fresh is not None:
             choice = await self.after_save_under_way(choice, asked, prompt)
         if fresh is not None:
