@@ -152,7 +152,7 @@ class UnpinnedMode:
             return False
         speeds = self.speeds.of(b, RouterModels.served(backend, prompt.model))
         spared = speeds.prefill.seconds(speeds.tokens_of(file_blocks) - speeds.tokens_of(ram_blocks))
-        switch = 2 * SWITCH_SECONDS * sum(1 for s in self.pool.slots if s.backend == b)
+        switch = 2 * SWITCH_SECONDS * backend.n_slots
         if spared is None or spared <= switch:
             return False
         if state == TO_PINNED:
