@@ -11,6 +11,7 @@
 - Before anything replaces what a slot holds, that is saved when it is worth keeping and not on disk yet.
 - After the answer, what the server reports (`cache_n`) is checked against what the slot was believed to hold:
   restores judged for `reuse`, false beliefs corrected (`slot_truth`), in `cache_outcome`.
+- What the server's own RAM prompt cache likely holds, and when a prompt is left to it: `ram_reach`.
 
 Every slot call goes through `swap`.
 """
@@ -45,10 +46,11 @@ from lpcache.cache.meta_files import Candidate, MetaEntry
 from lpcache.cache.prefix import Prompt, common_prefix
 from lpcache.cache.reuse import ReuseWatch
 from lpcache.cache.sessions import SessionBook, route_name
-from lpcache.cache.speeds import SpeedBook, Speeds
+from lpcache.cache.speeds import SpeedBook
 from lpcache.config import Settings
 from lpcache.errors import QueueFull, SlotsBusy
 from lpcache.flow import cache_outcome
+from lpcache.flow.ram_reach import RamReach
 from lpcache.flow.record import RequestRecord, now_ns
 from lpcache.flow.saving import Saver, cache_file, resavable, slot_files_off
 from lpcache.flow.session_seed import SessionSeeds
@@ -70,6 +72,7 @@ class SlotFiller:
         self.routers = routers
         self.saver = saver
         self.server_caches = saver.server_caches
+        self.ram = RamReach(self.backends, speeds, self.server_caches)
         self.seeds = SessionSeeds(sessions, self.backends, saver.folders, index, settings.words_per_block,
                                   settings.lcp_th)
         index.held = self.held_keys
@@ -88,7 +91,8 @@ class SlotFiller:
         """(files a slot's cache holds all of but a short end, the slots' own files), of the idle slots that save their
         cache before anything replaces it. None with REDIS_URL: another replica replaces a slot without saving what
         this one left there (it does not know its prompt); nor at shutdown: a slot saved then is never replaced."""
-        covered, own = list[str](), list[str]()
+        covered: list[str] = []
+        own: list[str] = []
         if self.pool.claims is not None or self.saver.stopping:
             return covered, own
         for s in self.pool.slots:
@@ -202,7 +206,7 @@ class SlotFiller:
         else:
             asked = Want(prompt, self.lookup(prompt) if want is None else (lambda: None), allowed, session, homes,
                          self.pays(prompt), self.index.protect, self.index.unprotect,
-                         (lambda best: self.warm(prompt, best)) if want is None else None, self.index.__contains__,
+                         (lambda best: self.ram.warm(prompt, best)) if want is None else None, self.index.__contains__,
                          file_of=lambda slot: cache_file(self.backends[slot.backend], prompt))
         asked.answer_tokens, asked.ticket, asked.max_wait = answer_tokens, record.ticket, record.max_wait
         planned_for = None if fresh is not None else session
@@ -309,45 +313,6 @@ class SlotFiller:
         self.release_choice(choice)
         return asked.choose([mine], self.pool.load())
 
-    def warm(self, prompt: Prompt, best: Candidate | None = None) -> tuple[int, int, bool] | None:
-        """The server whose RAM likely holds the longest prefix of the prompt (`server_cache`), how much, whether it
-        is relied on over a restore of the `best` file (`rely_on_ram`, with the prefill of what that file lacks)."""
-        found = self.server_caches.find(prompt.exact)
-        if found is None:
-            return None
-        backend = self.backends[found[0]]
-        speeds = self.speeds.of(backend.index, RouterModels.served(backend, prompt.model))
-        file_tokens = speeds.tokens_of(best.shared) if best is not None and best.shared < found[1] else None
-        return found[0], found[1], self.rely_on_ram(backend, speeds, found[1], file_tokens=file_tokens)
-
-    def rely_on_ram(self, backend: Backend, speeds: Speeds, blocks: int, probe: bool = False,
-                    file_tokens: float | None = None) -> bool:
-        """Whether to leave `blocks` of a prompt to the server's RAM prompt cache rather than restore them from a
-        file (`server_cache.RamWatch`); with `probe`, also to find out whether that RAM serves (`RamWatch.probe`:
-        the caller is about to restore, and its slot holds something, so the server will look in its RAM).
-        `file_tokens`: the file holds only that many of their tokens (an older turn of a session whose last one was
-        left to the RAM): the restore's side also prefills the rest."""
-        tokens = speeds.tokens_of(blocks)
-        prefill = speeds.prefill.seconds(tokens)
-        held = tokens if file_tokens is None else min(file_tokens, tokens)
-        rest = speeds.prefill.seconds(tokens - held) if held < tokens else 0.0
-        restore = speeds.restore.seconds(held)
-        if restore is not None and rest is not None:
-            restore += (speeds.wait_ms or 0.0) / 1000.0 + rest
-        else:
-            restore = None   # one side unknown: nothing to weigh
-        now = time.monotonic()
-        if backend.ram.rely(prefill, restore, now):
-            return True
-        if restore is None and rest and backend.ram.rely(prefill, rest, now):
-            return True   # no restore measured yet, but the prefill of what the file lacks alone costs more
-        if probe and backend.ram.probe(prefill, now):
-            log.info("ram_probe url=%s blocks=%d tokens=%d: left to llama-server's RAM prompt cache rather than "
-                     "restored, to learn whether it serves (%d probes)", backend.url, blocks, tokens,
-                     backend.ram.probes)
-            return True
-        return False
-
     def session_homes(self, want: Content | None) -> frozenset[int]:
         """The backends whose slot-save folder has the session's newest file (where it was last saved, or a folder
         shared with that backend). A copy another server saved before it is older: restoring it would compute again
@@ -393,7 +358,7 @@ class SlotFiller:
                 return
             slot, restoring = choice.slot, choice.restore is not None
             held = slot.content
-            if restoring and held is not None and self.ram_keeps(backend, slot, held):
+            if restoring and held is not None and self.ram.keeps(backend, slot, held):
                 held = slot.content = replace(held, keep=True)   # the restore would lose it: saved first
             if held is not None and self.saver.unsaved(held) and (
                     restoring or common_prefix(held.chain, prompt.exact) < len(held.chain)):
@@ -407,30 +372,6 @@ class SlotFiller:
             self.release_choice(choice)
             # after the restore's I/O: the meta entry of what the slot held (`saved_held`, spawned) is in the index
             self.pool.handed_over(choice.slot)
-
-    @staticmethod
-    def in_ram(backend: Backend, slot: Slot) -> bool:
-        """Whether the server has likely copied what the idle `slot` holds to its RAM prompt cache already: with
-        `--cache-idle-slots` (on with the RAM cache, by default) it copies every idle slot there whenever a request
-        starts, so a request sent to it after this slot's last one ended did. A restore replaces a slot's cache
-        without copying it; only then is that cache lost to the RAM. Not for a server whose RAM has missed every
-        prompt left to it lately (one started with `--cache-ram 0` copies nothing)."""
-        recent = backend.ram.recent(time.monotonic())
-        return (not recent or any(recent)) and backend.launched_at > slot.last_used > 0.0
-
-    def restored_over(self, backend: Backend, previous: Content | None, idle_copied: bool) -> None:
-        """A restore replaced `previous` in a slot without the server copying it to its RAM: unless the server had
-        copied it there as an idle slot already (`in_ram`, read before the restore), it is no longer there."""
-        if previous is not None and not idle_copied:
-            self.server_caches.gone(backend.index, previous.chain)
-
-    def ram_keeps(self, backend: Backend, slot: Slot, held: Content) -> bool:
-        """What the slot holds was left unsaved because the server's RAM prompt cache serves the returns (not worth
-        a file while it does), and is not in that RAM yet (`in_ram`): a restore would replace it without the server
-        copying it there, so it is saved first."""
-        if held.saved or held.keep or not held.tokens or not backend.ram.served or self.in_ram(backend, slot):
-            return False
-        return held.session is not None or held.prompt is not None   # a prefix cache's meta file needs its prompt
 
     async def restore(self, choice: Choice, backend: Backend, prompt: Prompt, record: RequestRecord) -> None:
         """Load the chosen saved cache into the slot. A file that is gone is not asked for; a restore that fails
@@ -451,7 +392,7 @@ class SlotFiller:
                 await self.index.discard_if_stale(entry.key)
             return
         previous = slot.content
-        self.restored_over(backend, previous, self.in_ram(backend, slot))
+        self.ram.restored_over(backend, previous, self.ram.holds(backend, slot))
         model = RouterModels.slot_model(backend, prompt.model)
         result = await swap.restore_file(backend.client, slot.id, entry.key, model)
         self.note_restore(backend, prompt.model, result, record)
@@ -534,14 +475,14 @@ class SlotFiller:
                 # does is seen for free, misses included (`RamWatch.miss_rate`)
                 record.ram_expected = speeds.tokens_of(found[1])
             if file_tokens is not None and found is not None and slot.content is not None and \
-                    self.rely_on_ram(backend, speeds, found[1], probe=True, file_tokens=file_tokens):
+                    self.ram.rely(backend, speeds, found[1], probe=True, file_tokens=file_tokens):
                 # the server's RAM likely holds the session's prompt: the pinned request finds it there
                 restore = False
                 record.ram_expected = speeds.tokens_of(found[1])
                 record.route = "session_server_ram"
         held = slot.content
         if restore and info is not None and (info.saved_chain or info.homes) and held is not None and \
-                held.key != want.key and self.ram_keeps(backend, slot, held):
+                held.key != want.key and self.ram.keeps(backend, slot, held):
             slot.content = replace(held, keep=True)   # the restore would lose it: saved first
         if not self.pool.ours(slot):
             slot.content = None
@@ -561,7 +502,7 @@ class SlotFiller:
                     # the session's last turn is in a slot just handed to another request, which saves it first
                     await other.filling.wait()
 
-        previous, idle_copied = slot.content, self.in_ram(backend, slot)
+        previous, idle_copied = slot.content, self.ram.holds(backend, slot)
         try:
             result = await swap.bring_in(backend.client, slot.id, slot.content, want, self.saver.folders[backend.index],
                                          RouterModels.slot_model(backend, prompt.model), restore=restore, owned=True,
@@ -575,7 +516,7 @@ class SlotFiller:
         slot.content = result.held
         restored = result.restored
         if restored is not None:
-            self.restored_over(backend, previous, idle_copied)
+            self.ram.restored_over(backend, previous, idle_copied)
             self.note_restore(backend, prompt.model, restored, record)
             record.restore_exact = True
             # a copy an earlier turn left in this server's folder, older than the one saved since on another
