@@ -46,13 +46,16 @@ def read_raw(out: Path) -> list[Sent]:
     """Every request of aiperf's raw export (`--export-level raw`), in the order sent."""
     files = [out / "profile_export_raw.jsonl"] if (out / "profile_export_raw.jsonl").is_file() else sorted(
         (out / "raw_records").glob("*.jsonl"))
-    sent = []
-    for path in files:
-        for line in path.read_text().splitlines():
-            if line.strip():
-                sent.append(parse_record(json.loads(line)))
+    sent = [parse_record(record) for path in files for record in json_lines(path)]
     sent.sort(key=lambda s: s.start_ns)
     return sent
+
+
+def json_lines(path: Path) -> list[Any]:
+    """The documents of a JSON-lines file. Split at "\n" only: aiperf writes the text it sent unescaped, and
+    `str.splitlines` also splits at the line and paragraph separators (U+2028, U+2029), U+0085 and form feeds
+    that real chats hold inside a JSON string, which cut a record in two."""
+    return [json.loads(line) for line in path.read_text().split("\n") if line.strip()]
 
 
 def parse_record(record: dict[str, Any]) -> Sent:

@@ -45,6 +45,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import llama_machine_text, replace_section, stop_run, table  # noqa: E402
+from aiperf_records import json_lines  # noqa: E402
 from replay import metric  # noqa: E402
 
 from lpcache.workloads.harness import REPO, LlamaServer, LpcacheProcess, llama_paths, script_paths  # noqa: E402
@@ -166,8 +167,7 @@ def lpcache_counts(url: str) -> dict[str, int]:
 def read_aiperf(out: str) -> dict[str, Any]:
     """Figures from aiperf's exports: the summary JSON and the per-request records (JSON lines)."""
     summary = json.loads((Path(out) / "profile_export_aiperf.json").read_text())
-    records = [json.loads(line) for line in (Path(out) / "profile_export.jsonl").read_text().splitlines()
-               if line.strip()]
+    records = json_lines(Path(out) / "profile_export.jsonl")
     errors = [r for r in records if r.get("error")]
     ttft = summary.get("time_to_first_token") or {}
     later = sorted(r["metrics"]["time_to_first_token"]["value"] for r in records

@@ -235,6 +235,20 @@ def test_answers_fed_back_and_requests_in_flight(tmp_path: Path) -> None:
     assert ar.in_flight_max(sent) == 2
 
 
+def test_a_record_whose_text_holds_unicode_line_breaks_is_read_whole(tmp_path: Path) -> None:
+    # aiperf writes what it sent unescaped; real chats hold U+2028, U+2029, U+0085, form feeds and vertical tabs
+    text = "first\u2028second\u2029third\x85fourth\x0cfifth\x0bsixth\x1cseventh \U0001f600 中文"
+    q = {"role": "user", "content": text}
+    lines = [record("c", 0, 1, 10, [q], [sse(chunk(text))]), record("c", 1, 11, 20, [q, {"role": "assistant",
+             "content": text}, q], [sse(chunk("ok"))])]
+    (tmp_path / "profile_export_raw.jsonl").write_text("\n".join(json.dumps(x, ensure_ascii=False) for x in lines)
+                                                       + "\n")
+    sent = ar.read_raw(tmp_path)
+    assert [s.messages[0]["content"] for s in sent] == [text, text]
+    assert sent[0].answer == text
+    assert ar.fed_back(sent) == (1, 1)
+
+
 # ------------------------------------------------------------------------------------------------ setups
 
 
