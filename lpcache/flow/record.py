@@ -90,6 +90,7 @@ class RequestRecord:
     swap_saved: bool | None = None     # the slot's previous cache was saved before this request used the slot
     swap_save_ms: float | None = None
     swap_save_bytes: int | None = None
+    saved_for_ram: bool = False        # ... only because a restore would take it out of the server's RAM reach
     ram_expected: float | None = None  # tokens lpcache left to the server's RAM prompt cache (no file restored)
     save_decision: str | None = None   # BIG_THRESHOLD_WORDS=auto: why its cache was saved or not (`worth.DECISIONS`)
     missed_kind: str | None = None     # it computed again what an earlier request had (`worth.Worth.came_back`):

@@ -360,6 +360,7 @@ class SlotFiller:
             held = slot.content
             if restoring and held is not None and self.ram.keeps(backend, slot, held):
                 held = slot.content = replace(held, keep=True)   # the restore would lose it: saved first
+                record.saved_for_ram = True
             if held is not None and self.saver.unsaved(held) and (
                     restoring or common_prefix(held.chain, prompt.exact) < len(held.chain)):
                 await self.saver.save_held(backend, slot, held, record)
@@ -484,6 +485,7 @@ class SlotFiller:
         if restore and info is not None and (info.saved_chain or info.homes) and held is not None and \
                 held.key != want.key and self.ram.keeps(backend, slot, held):
             slot.content = replace(held, keep=True)   # the restore would lose it: saved first
+            record.saved_for_ram = True
         if not self.pool.ours(slot):
             slot.content = None
             return

@@ -171,8 +171,11 @@ class UnpinnedMode:
         b = backend.index
         if self.state[b] != PINNED or not self.eligible(backend):
             return
-        if record.saved or record.swap_saved or record.reason is not None:
-            self.quiet[b] = 0   # (a restore of a file saved earlier does not count: the RAM would have served it)
+        if record.saved or (record.swap_saved and not record.saved_for_ram) or record.reason is not None:
+            # (neither a restore of a file saved earlier counts, nor the save of what the slot held before it made
+            # only so that the restore does not take that out of the server's RAM reach: unpinned, the RAM would
+            # have served the one and kept the other)
+            self.quiet[b] = 0
             return
         self.quiet[b] += 1
         recent = backend.ram.recent(time.monotonic())

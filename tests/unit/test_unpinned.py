@@ -83,6 +83,22 @@ def test_quiet_requests_behind_a_trusted_ram_switch_once_the_pinned_ones_are_ove
     asyncio.run(run())
 
 
+def test_a_save_made_only_so_that_a_restore_keeps_the_ram_s_reach_is_quiet_and_any_other_is_not() -> None:
+    async def run() -> None:
+        mode, backend, _, _ = _setup()
+        _trusted(backend)
+        _quiet(mode, backend, QUIET_REQUESTS - 1)
+        mode.observe(backend, RequestRecord(swap_saved=True))   # what the slot held, saved as a file worth keeping
+        assert mode.state[0] == "pinned" and mode.quiet[0] == 0
+        _quiet(mode, backend, QUIET_REQUESTS - 1)
+        # saved only because the restore before it would have taken it out of the server's RAM reach: unpinned,
+        # the RAM would have kept it and served the restored prompt, so the count goes on
+        mode.observe(backend, RequestRecord(swap_saved=True, saved_for_ram=True))
+        assert mode.state[0] == "unpinned"
+
+    asyncio.run(run())
+
+
 def test_a_miss_pins_again_only_after_every_unpinned_request_and_the_server_s_slots() -> None:
     async def run() -> None:
         mode, backend, pool, spawned = _setup(busy_polls=2)
