@@ -11,12 +11,31 @@ import shutil
 import statistics
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Protocol
 
 from lpcache.config import OPTIONS
 from lpcache.workloads.harness import LlamaServer
+
+
+def sse_lines(chunks: Iterable[bytes]) -> Iterator[str]:
+    """The lines of a server-sent event stream, split where the SSE format says (CR LF, LF or CR) and nowhere else.
+    Not httpx's `iter_lines`: it splits with `str.splitlines`, also at U+2028, U+2029 and U+0085, which a model's
+    answer may hold raw inside an event's JSON (llama-server does not escape them), cutting that event in two."""
+    buf = b""
+    for chunk in chunks:
+        buf += chunk
+        held = buf.endswith(b"\r")   # maybe the first half of a CR LF
+        *lines, rest = _LINE_END.split(buf[:-1] if held else buf)
+        buf = rest + (b"\r" if held else b"")
+        for line in lines:
+            yield line.decode("utf-8", "replace")
+    if buf:
+        yield buf.removesuffix(b"\r").decode("utf-8", "replace")
+
+
+_LINE_END = re.compile(rb"\r\n|\r|\n")
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -35,7 +35,7 @@ from lpcache.workloads.agents import API_PATHS, Session
 from lpcache.workloads.story import ideal_of
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import percentile  # noqa: E402
+from _common import percentile, sse_lines  # noqa: E402
 
 COUNT_PATHS = {"responses": "/v1/responses/input_tokens", "messages": "/v1/messages/count_tokens"}
 FIRST_CONTENT = frozenset({"response.output_item.added", "response.output_text.delta",
@@ -131,7 +131,7 @@ def send(url: str, session: Session, turn: int, max_tokens: int, timeout: float)
                               json=session.body(turn, max_tokens=max_tokens, stream=True)) as r:
             row.status = r.status_code
             if r.status_code == 200:
-                _read_stream(r.iter_lines(), start, row)
+                _read_stream(sse_lines(r.iter_bytes()), start, row)
             else:
                 r.read()
                 row.error = r.text[:300] or f"HTTP {r.status_code}"

@@ -53,8 +53,8 @@ def read_raw(out: Path) -> list[Sent]:
 
 def json_lines(path: Path) -> list[Any]:
     """The documents of a JSON-lines file. Split at "\n" only: aiperf writes the text it sent unescaped, and
-    `str.splitlines` also splits at the line and paragraph separators (U+2028, U+2029), U+0085 and form feeds
-    that real chats hold inside a JSON string, which cut a record in two."""
+    `str.splitlines` also splits at the line and paragraph separators (U+2028, U+2029) and U+0085 that real chats
+    hold inside a JSON string, which cut a record in two."""
     return [json.loads(line) for line in path.read_text().split("\n") if line.strip()]
 
 

@@ -43,7 +43,7 @@ import httpx
 from lpcache.workloads.story import KINDS, Turn, ideal_of, tokenize_all, turns
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import percentile, table  # noqa: E402
+from _common import percentile, sse_lines, table  # noqa: E402
 
 Sample = tuple[str, dict[str, str]]   # a metric's name and the labels its samples must have
 LPCACHE_SAVE_BYTES: Sample = ("lpcache_slot_file_bytes_total", {"action": "save"})
@@ -367,7 +367,7 @@ def send(client: httpx.Client, url: str, turn: Turn, body: dict[str, Any], strea
             with client.stream("POST", f"{url}/v1/chat/completions", json=payload, headers=headers) as r:
                 row.status = r.status_code
                 if r.status_code == 200:
-                    timings, usage = read_sse(r.iter_lines(), start, row)
+                    timings, usage = read_sse(sse_lines(r.iter_bytes()), start, row)
                 else:
                     r.read()
                     row.error = r.text[:300] or f"HTTP {r.status_code}"

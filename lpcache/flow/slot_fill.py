@@ -337,6 +337,7 @@ class SlotFiller:
                       record: RequestRecord) -> None:
         """Make the slot hold the best cache for the request before it is sent (session mode: swap the session in;
         prefix mode: restore the chosen file), what it holds saved first when it is worth keeping and unsaved."""
+        record.saved_for_ram = False   # this try's (a failover's earlier try may have set it)
         try:
             await self.routers.make_room(backend, prompt.model)
             if not self.enabled(backend, prompt.model):

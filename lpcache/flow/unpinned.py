@@ -9,7 +9,8 @@ serves the returns, pinning buys nothing, and that hand-over is all it costs (BI
 RAM cache holding the working set: docs/benchmarks.md).
 
 How: per backend, five states. `pinned` (lpcache's usual way); `to_unpinned`: once the RAM has served the last
-RAM_TRUST prompts left to it and nothing was saved for the last QUIET_REQUESTS requests there, no slot of the
+RAM_TRUST prompts left to it and nothing was saved for the last QUIET_REQUESTS requests there (but what a slot held,
+saved only because a restore would take it out of the RAM's reach: `ram_reach.keeps`), no slot of the
 backend is handed out until the pinned requests under way have ended; `unpinned`: each request takes a slot of the
 pool as before (the pool's line, classes and fair shares still decide who goes next) but is sent without `id_slot`,
 and gives its slot back at its first token, while the server still generates: the next one is then queued inside
@@ -47,7 +48,7 @@ from lpcache.flow.saving import Saver
 
 log = logging.getLogger("lpcache.unpinned")
 
-QUIET_REQUESTS = 8         # pinned requests in a row with nothing saved before requests go unpinned
+QUIET_REQUESTS = 8         # pinned requests in a row with nothing saved (see `observe`) before requests go unpinned
 SWITCH_SECONDS = 5.0       # the longest a switch keeps hand-outs closed waiting for the other kind to end; past it,
                            # it is called off (a long answer under way), and tried again later: the requests it
                            # asks for, twice as many at each call-off
@@ -184,8 +185,8 @@ class UnpinnedMode:
             return   # a cache worth a file, not saved yet (deferred): saved when its slot is next taken, pinned
         if self.quiet[b] >= QUIET_REQUESTS << self.called_off[b] and len(recent) >= RAM_TRUST and all(recent):
             log.info("unpinned_on url=%s: llama-server's RAM prompt cache served the last %d prompts left to it and "
-                     "nothing was saved for the last %d requests; requests go unpinned and the server queues them",
-                     backend.url, len(recent), self.quiet[b])
+                     "nothing worth a file was saved for the last %d requests; requests go unpinned and the server "
+                     "queues them", backend.url, len(recent), self.quiet[b])
             self._switch(b, TO_UNPINNED)
 
     # ---- the switches ----

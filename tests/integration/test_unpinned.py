@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -223,3 +224,46 @@ def test_a_file_the_server_s_ram_lacks_pins_requests_again_to_restore_it(start_b
     after = mock_stats(backend)
     assert after["restores"] == before["restores"] + 1 and after["pinned_to_busy"] == 0
     assert state(proxy) == "pinned"
+
+
+def test_a_save_made_only_to_keep_the_ram_s_reach_is_marked_as_such(start_backend: Any, start_proxy: Any) -> None:
+    """Pinned, a session's return is restored over what the slot holds: another session's turn, left unsaved since
+    the server's RAM serves the returns, and not copied there yet (nothing launched since it ended). The restore
+    would take it out of the RAM's reach, so it is saved first (`ram_reach.keeps`); that save is marked on the
+    request (`saved_for_ram`) and so does not start the count of quiet requests again (`UnpinnedMode.observe`).
+    A save of a cache worth its file is not marked."""
+    backend = start_backend(slots=1, prefill_ms_per_token=0.2, kv_bytes_per_token=23_040)
+    proxy = start_proxy(backend, big_threshold_words=None)
+    story = [{"role": "system", "content": "Tu es un conteur. Réponds en français, avec des phrases courtes."},
+             {"role": "user", "content": "Raconte l'histoire d'un phare 🗼 au bord de la mer, " * 80}]
+    r = proxy.chat(story, {"X-Session-ID": "phare"}, max_tokens=6)
+    assert r.status_code == 200, r.text
+    story.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
+    proxy.settle()
+    assert proxy.records[-1].saved and not proxy.records[-1].saved_for_ram   # a RAM never seen: worth its file
+    r = proxy.chat(user("Hola, ¿qué tal? Una frase, por favor."), {"X-Session-ID": "autre"}, max_tokens=6)
+    assert r.status_code == 200, r.text
+    proxy.settle()
+    assert not proxy.records[-1].saved_for_ram
+
+    def left_to_the_ram() -> None:
+        pipeline = proxy.pipeline
+        b = pipeline.backends[0]
+        now = time.monotonic()
+        b.ram.seen(True, now)    # the RAM served a return (so a cache may be left to it) ...
+        b.ram.seen(False, now)   # ... and missed one (so the story's file is restored, not left to it)
+        slot = pipeline.pool.slots[0]
+        assert slot.content is not None and slot.content.session is not None
+        slot.content = replace(slot.content, saved=False, keep=False)   # "autre": too short for a file here
+        b.launched_at = 0.0      # and nothing launched since it ended: not copied to the RAM yet
+        pipeline.speeds.of(0, "").prefill.ms_per_token = 100.0   # a large model on a CPU: the restore pays
+    on_loop(proxy, left_to_the_ram)
+    before = mock_stats(backend)
+    story.append({"role": "user", "content": "Et ensuite ? Une phrase."})
+    r = proxy.chat(story, {"X-Session-ID": "phare"}, max_tokens=6)
+    assert r.status_code == 200, r.text
+    proxy.settle()
+    record = proxy.records[-1]
+    assert record.restored and record.swap_saved and record.saved_for_ram, (record.restored, record.swap_saved)
+    after = mock_stats(backend)
+    assert after["saves"] >= before["saves"] + 1 and after["restores"] == before["restores"] + 1

@@ -249,6 +249,19 @@ def test_a_record_whose_text_holds_unicode_line_breaks_is_read_whole(tmp_path: P
     assert ar.fed_back(sent) == (1, 1)
 
 
+def test_sse_lines_split_where_the_format_says_and_nowhere_else() -> None:
+    # what httpx's iter_lines does not: U+2028, U+2029 and U+0085 are characters inside an event's JSON, not ends
+    # of lines; CR LF may come in two chunks; a multi-byte character may be cut between chunks
+    common = load_bench("_common")
+    text = "x\u2028y\u2029z\x85 é 🙂"
+    stream = b"data: " + json.dumps({"delta": text}, ensure_ascii=False).encode() + b"\r\n\r\ndata: [DONE]\r\n\r\n"
+    want = ["data: " + json.dumps({"delta": text}, ensure_ascii=False), "", "data: [DONE]", ""]
+    for cut in range(1, len(stream)):
+        for second in range(cut, len(stream), 7):
+            assert list(common.sse_lines([stream[:cut], stream[cut:second], stream[second:]])) == want
+    assert list(common.sse_lines([b"a\rb\nc\r", b"\nd"])) == ["a", "b", "c", "d"]
+
+
 # ------------------------------------------------------------------------------------------------ setups
 
 

@@ -91,6 +91,9 @@ def test_a_save_made_only_so_that_a_restore_keeps_the_ram_s_reach_is_quiet_and_a
         mode.observe(backend, RequestRecord(swap_saved=True))   # what the slot held, saved as a file worth keeping
         assert mode.state[0] == "pinned" and mode.quiet[0] == 0
         _quiet(mode, backend, QUIET_REQUESTS - 1)
+        mode.observe(backend, RequestRecord(saved=True, swap_saved=True, saved_for_ram=True))   # its own, saved
+        assert mode.state[0] == "pinned" and mode.quiet[0] == 0
+        _quiet(mode, backend, QUIET_REQUESTS - 1)
         # saved only because the restore before it would have taken it out of the server's RAM reach: unpinned,
         # the RAM would have kept it and served the restored prompt, so the count goes on
         mode.observe(backend, RequestRecord(swap_saved=True, saved_for_ram=True))
