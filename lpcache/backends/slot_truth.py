@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from lpcache.backends import swap
 from lpcache.backends.backend import Backend
@@ -35,9 +35,11 @@ def trusted(backend: Backend) -> bool:
 
 
 class SlotTruth:
-    def __init__(self, backends: Sequence[Backend], pool: SlotPool) -> None:
+    def __init__(self, backends: Sequence[Backend], pool: SlotPool,
+                 on_restart: Callable[[Backend], None] | None = None) -> None:
         self.backends = list(backends)
         self.pool = pool
+        self.on_restart = on_restart   # told when a backend's slots show it restarted
         self.corrected = 0   # beliefs dropped (metric)
 
     async def check(self) -> None:
@@ -66,6 +68,8 @@ class SlotTruth:
             if listing is None:
                 continue   # no /slots on this server: lpcache cannot tell
             counts = {s.get("id"): s.get("n_prompt_tokens") for s in listing}
+            if listing and self.on_restart is not None and not any("id_task" in s for s in listing):
+                self.on_restart(backend)   # no slot has run a task since the server started: it restarted
             backend.loadable.slot_ctx.update({(model, s["id"]): s["n_ctx"] for s in listing if isinstance(
                 s.get("id"), int) and isinstance(s.get("n_ctx"), int) and s["n_ctx"] > 0})
             working = {s.get("id") for s in listing if s.get("is_processing")}

@@ -49,6 +49,11 @@ class ServerCaches:
             if self._where.get(digest) == backend:
                 del self._where[digest]
 
+    def forget(self, backend: int) -> None:
+        """`backend` was restarted: its RAM holds none of it any more."""
+        for digest in [d for d, b in self._where.items() if b == backend]:
+            del self._where[digest]
+
     def find(self, chain: Sequence[int]) -> tuple[int, int] | None:
         """(backend, blocks): the server that last held the longest prefix of the chain, and how much of it."""
         for depth in range(len(chain), 0, -1):
@@ -70,15 +75,29 @@ class RamWatch:
     needed for (`worth`): where the RAM serves every return, nothing is saved. Outcomes older than
     RAM_RETRY_SECONDS are forgotten (the server may have been restarted since). The RAM of llama-server's default
     `--cache-ram` holds a few long conversations of a real model: it serves some, and misses the others; a small
-    model's fit: it serves all."""
+    model's fit: it serves all. Where the server was asked whether it has a RAM cache at all (`present`,
+    `backends.ram_check`), that answer replaces the even bet: a RAM that exists is tried at once, one that does not
+    is never counted on."""
 
     def __init__(self) -> None:
         self.outcomes: deque[tuple[float, bool]] = deque(maxlen=RAM_WINDOW)
         self.spared = 0.0   # seconds of prefill restores from files spared since the last probe
         self.probes = 0
+        # what the server said when asked (`backends.ram_check`): True, a RAM cache serves pinned requests (relied
+        # on from the first return it likely holds, until it misses one); False, none does (never probed nor relied
+        # on); None, not asked yet, or no clear answer (learnt from the returns alone)
+        self.present: bool | None = None
+
+    def forget(self) -> None:
+        """The server was restarted: its RAM is empty, and whether it has one is asked again."""
+        self.outcomes.clear()
+        self.spared = 0.0
+        self.present = None
 
     def seen(self, hit: bool, now: float) -> None:
         self.outcomes.append((now, hit))
+        if hit and self.present is False:
+            self.present = None   # it served one after all: the check was wrong, and the returns decide
 
     @property
     def served(self) -> bool:
@@ -91,7 +110,11 @@ class RamWatch:
     def rely(self, prefill_s: float | None, restore_s: float | None, now: float) -> bool:
         """Whether to leave a prompt to the RAM rather than restore it from a file: a miss costs `prefill_s`, the
         restore `restore_s` (None: unknown)."""
+        if self.present is False:
+            return False
         recent = self.recent(now)
+        if self.present and all(recent):
+            return True   # it said it has one, and has missed nothing lately: tried on every return it likely holds
         if prefill_s is None or restore_s is None:
             return bool(recent) and all(recent)   # nothing to weigh: only a RAM that served every recent prompt
         misses = (recent.count(False) + RAM_MISS_PRIOR[0]) / (len(recent) + sum(RAM_MISS_PRIOR))
@@ -106,9 +129,11 @@ class RamWatch:
         tried once the files' restores have spared PROBE_PAYBACK times that prefill since the last probe (so on a
         server started with `--cache-ram 0` the misses cost at most a twentieth of what the files spare, and only
         one every RAM_RETRY_SECONDS), then on every prompt while it serves them, and after a miss not until that
-        miss is forgotten. No cap in seconds: a probe's miss is what the server alone computes for that prompt, and
-        on a slow CPU every return of a chat may take seconds to compute (a fixed cap there meant never probing)."""
-        if prefill_s is None:
+        miss is forgotten. One that said it has none (`present`) is never probed (one that said it has one is relied
+        on while it misses nothing, `rely`). No cap in seconds: a probe's miss is what the server alone
+        computes for that prompt, and on a slow CPU every return of a chat may take seconds to compute (a fixed cap
+        there meant never probing)."""
+        if prefill_s is None or self.present is False:
             return False
         recent = self.recent(now)
         if not all(recent):

@@ -385,6 +385,7 @@ def create_app(settings: Settings, plugins: Loaded | None = None) -> Starlette:
                 await plugin.start()
             prober = Prober(backends, lambda b, old: pool.add(b.slots(start=old)))
             prober.start()
+            app.state.pipeline.presence.due()   # whether each server keeps a RAM prompt cache (auto only)
             fleet_of = app.state.pipeline.fleet   # with Redis: only files every replica's entries are known for
             sweeper = OrphanSweeper(index.sweep_orphans, settings.orphan_grace_seconds,
                                     None if fleet_of is None else fleet_of.sweep_horizon)

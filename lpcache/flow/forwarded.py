@@ -14,7 +14,7 @@ then the slot it names is marked unknown.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
@@ -122,3 +122,12 @@ def slot_touched(crew: Crew, backend: Backend, path: str) -> None:
         if slot.backend == backend.index and (not tail.isdigit() or slot.id == int(tail)) and not slot.busy:
             slot.content = None
     backend.suspect = True
+
+
+async def router_says(router: Backend, path: str, headers: dict[str, str], body: dict[str, Any],
+                      record: RequestRecord, notify: Callable[[RequestRecord], None]) -> ASGIApp:
+    """A model no llama-server router behind lpcache serves: the router's own answer (its error, in its words) is
+    passed on as it is, and nothing is made for that model."""
+    headers = {k: v for k, v in headers.items() if k.lower() != "content-length"}
+    upstream = await router.client.forward("POST", path, headers, orjson.dumps(body))
+    return PassThrough(upstream, record, notify)

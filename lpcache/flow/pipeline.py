@@ -42,8 +42,9 @@ from lpcache.flow.attempts import Attempts, Crew
 from lpcache.flow.coalesce import Coalescer, coalesce_key
 from lpcache.flow.guard import Caller, read_body
 from lpcache.flow.plugin_api import Answer, ChatRequest, Prefilter, Serve, answer_wanted_by
+from lpcache.flow.ram_presence import RamPresence
 from lpcache.flow.record import Observer, RequestRecord
-from lpcache.flow.relay import ClientWatch, FollowerRelay, JsonRelay, PassThrough, ServedRelay, SseRelay
+from lpcache.flow.relay import ClientWatch, FollowerRelay, JsonRelay, ServedRelay, SseRelay
 from lpcache.flow.saving import Saver
 from lpcache.flow.slot_fill import SlotFiller
 from lpcache.flow.unpinned import UnpinnedMode
@@ -72,7 +73,8 @@ class Pipeline:
         self.routers = RouterModels(settings, self.backends, pool, self.saver.save_idle_slot, self._enabled)
         self.filler = SlotFiller(settings, self.backends, pool, index, self.sessions, self.speeds, self.reuse,
                                  self.routers, self.saver)
-        self.truth = SlotTruth(self.backends, pool)
+        self.presence = RamPresence(settings, self.backends, pool, self.saver.server_caches, self.spawn)
+        self.truth = SlotTruth(self.backends, pool, on_restart=self.presence.restarted)
         self.unpinned = UnpinnedMode(settings, self.backends, pool, self.speeds, self.saver, self.spawn)
         self.crew = Crew(self.backends, pool, self.filler, self.saver, self.routers, self.truth, self.coalescer,
                          settings.request_timeout, self.answered, self.notify, self.spawn, self.unpinned)
@@ -111,7 +113,7 @@ class Pipeline:
         passed = caller.passed
         router = await self.routers.unknown(call.model)
         if router is not None:   # no router serves that model: it says so itself, and nothing is made for it
-            return await router_says(router, request.url.path, passed, body, record, self.notify)
+            return await forwarded.router_says(router, request.url.path, passed, body, record, self.notify)
         # Who asks: answers are shared (coalescing, the result cache) only within one client and one session.
         client = caller.identity
         session, parents, source = caller.named(api.name, body, self.settings.agent_session_ids)
@@ -211,6 +213,7 @@ class Pipeline:
 
     def notify(self, record: RequestRecord) -> None:
         record.elapsed_ms = (time.time() - record.started) * 1000.0
+        self.presence.due()
         for observer in self.observers:
             try:
                 observer(record)
@@ -241,9 +244,3 @@ class Pipeline:
 def _path_qs(request: Request) -> str:
     return request.url.path + (f"?{request.url.query}" if request.url.query else "")
 
-
-async def router_says(router: Backend, path: str, headers: dict[str, str], body: dict[str, Any],
-                      record: RequestRecord, notify: Callable[[RequestRecord], None]) -> ASGIApp:
-    headers = {k: v for k, v in headers.items() if k.lower() != "content-length"}
-    upstream = await router.client.forward("POST", path, headers, orjson.dumps(body))
-    return PassThrough(upstream, record, notify)

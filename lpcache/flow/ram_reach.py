@@ -75,7 +75,9 @@ class RamReach:
         `--cache-idle-slots` (on with the RAM cache, by default) it copies every idle slot there whenever a request
         starts, so a request sent to it after this slot's last one ended did. A restore replaces a slot's cache
         without copying it; only then is that cache lost to the RAM. Not for a server whose RAM has missed every
-        prompt left to it lately (one started with `--cache-ram 0` copies nothing)."""
+        prompt left to it lately, or that said it has no RAM cache (one started with `--cache-ram 0` copies nothing)."""
+        if backend.ram.present is False:
+            return False
         recent = backend.ram.recent(time.monotonic())
         return (not recent or any(recent)) and backend.launched_at > slot.last_used > 0.0
 

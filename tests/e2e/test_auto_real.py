@@ -80,6 +80,8 @@ def test_auto_saves_short_turns_on_a_cpu_and_later_turns_compute_only_their_new_
         proxy.settle()
         worth = metric(proxy, 'lpcache_save_decisions_total{decision="worth"}')
         probes = metric(proxy, 'lpcache_save_decisions_total{decision="probe"}')
+        ram = proxy.pipeline.backends[0].ram
+        present, ram_probes = ram.present, ram.probes
     later = [r for r in rows if r["turn"] > 0]
     restored = [r for r in later if r["restored"] == "true"]
     # The turns before a later one: its conversation's previous prompt and answer, which the restore brought back.
@@ -88,6 +90,7 @@ def test_auto_saves_short_turns_on_a_cpu_and_later_turns_compute_only_their_new_
             f"restored; computed {sum(r['prompt_n'] for r in rows)} of {sum(r['prompt_tokens'] for r in rows)} "
             f"prompt tokens; save decisions worth={worth:.0f} probe={probes:.0f}")
     assert worth + probes >= CONVERSATIONS * (TURNS - 1)
+    assert present is False and ram_probes == 0   # asked: --cache-ram 0 keeps nothing, so no return is left to it
     assert len(restored) >= len(later) - 1, rows
     for r in restored:
         assert r["cache_n"] >= previous[(r["conversation"], r["turn"] - 1)], r   # the whole previous prompt
@@ -115,7 +118,8 @@ def test_behind_the_default_ram_cache_every_return_finds_its_history_in_ram_or_a
                                                                                        auto: bool) -> None:
     """llama-server's default --cache-ram holds these conversations. A return with no file worth restoring goes to
     a slot of the server that held it, whose RAM serves it, and lpcache takes that for a RAM hit (not a miss of the
-    slot's); with auto, whose files are restored, every later turn still finds its whole history."""
+    slot's); with auto, which asked the server whether it has a RAM cache, the returns are left to it the same way
+    rather than restored from their files, and every later turn finds its whole history."""
     with behind_lpcache(tmp_path, None, big_threshold_words=None if auto else 500, meta_max=0) as proxy:
         rows = play(proxy.url)
         proxy.settle()
@@ -129,22 +133,24 @@ def test_behind_the_default_ram_cache_every_return_finds_its_history_in_ram_or_a
             f"left to the server's RAM, {len(restored)} restored from disk; computed "
             f"{sum(r['prompt_n'] for r in rows)} of {sum(r['prompt_tokens'] for r in rows)} prompt tokens")
     assert len(left_to_ram) + len(restored) >= len(later) - 1, (len(left_to_ram), len(restored))
-    if not auto:
-        assert not restored and len(left_to_ram) >= len(later) - 1 and served and all(outcomes), outcomes
+    # the fixed threshold saves nothing here, so the RAM is all there is; auto asked the server, which said it has
+    # a RAM cache: relied on from the first return, it serves them all and no file is restored
+    assert not restored and len(left_to_ram) >= len(later) - 1 and served and all(outcomes), outcomes
     for r in later:
         assert r["cache_n"] >= previous[(r["conversation"], r["turn"] - 1)], r   # the RAM (or a file) had it all
 
 
 def test_sessions_behind_the_default_ram_cache_find_that_it_serves_without_losing_a_turn(
         tmp_path: Any) -> None:
-    """With session ids every return has its session's file, whose restore beats a RAM never seen on this CPU: the RAM
-    is probed (`RamWatch.probe`) and, since it serves every return, relied on: the returns it holds are left to it,
-    and no later turn computes its history again."""
+    """With session ids every return has its session's file, whose restore beats a RAM never seen on this CPU; but the
+    server said it has a RAM cache (`backends.ram_check`), so that RAM is relied on from the first return and, since
+    it serves every return, kept relied on: the returns it holds are left to it, and no later turn computes its
+    history again."""
     with behind_lpcache(tmp_path, None, big_threshold_words=None, meta_max=0) as proxy:
         rows = play(proxy.url, session_ids=True, turns=12)
         proxy.settle()
         ram = proxy.pipeline.backends[0].ram
-        probes, outcomes = ram.probes, [hit for _, hit in ram.outcomes]
+        probes, outcomes, present = ram.probes, [hit for _, hit in ram.outcomes], ram.present
         left_to_ram = [r for r in proxy.records if r.ram_expected]
         not_worth = metric(proxy, 'lpcache_save_decisions_total{decision="not_worth"}')
     later = [r for r in rows if r["turn"] > 0]
@@ -154,10 +160,11 @@ def test_sessions_behind_the_default_ram_cache_find_that_it_serves_without_losin
             f"{outcomes.count(False)} misses; {len(left_to_ram)} of {len(later)} later turns left to the RAM, "
             f"{len(restored)} restored; {not_worth:.0f} caches not saved; computed {sum(r['prompt_n'] for r in rows)} "
             f"of {sum(r['prompt_tokens'] for r in rows)} prompt tokens")
-    # the first probe waits until the files have spared PROBE_PAYBACK times its prefill; from then on, while the RAM
-    # serves, every return it likely holds is left to it
-    assert probes >= 1 and outcomes and all(outcomes), outcomes
-    assert len(left_to_ram) >= probes
+    # asked as lpcache started, the server said it has a RAM cache: from the first return it likely holds, while the
+    # RAM serves, every such return is left to it (no probe needed)
+    assert present is True and probes == 0
+    assert outcomes and all(outcomes), outcomes
+    assert len(left_to_ram) >= len(later) // 2, len(left_to_ram)
     for r in later:
         assert r["cache_n"] >= previous[(r["conversation"], r["turn"] - 1)], r   # the RAM (or a file) had it all
 

@@ -12,7 +12,7 @@ from lpcache.backends.slot_pool import SlotPool
 from lpcache.backends.slots import Content, Slot
 from lpcache.cache.meta_files import Candidate, MetaEntry
 from lpcache.cache.prefix import Prompt
-from lpcache.cache.server_cache import PROBE_PAYBACK, RAM_RETRY_SECONDS, RAM_TRUST, RamWatch
+from lpcache.cache.server_cache import PROBE_PAYBACK, RAM_RETRY_SECONDS, RAM_TRUST, RamWatch, ServerCaches
 from lpcache.errors import ProxyError, SlotsBusy
 
 A, B = "http://a:8000", "http://b:8000"
@@ -796,6 +796,38 @@ def test_a_server_without_a_ram_cache_loses_at_most_a_twentieth_of_what_the_file
     assert len(probes) == 2 and probes[1] - probes[0] > RAM_RETRY_SECONDS
     assert lost <= spared / PROBE_PAYBACK and ram.miss_rate(now=float(probes[-1])) == 1.0
 
+
+
+def test_a_server_that_said_it_has_a_ram_cache_is_relied_on_at_once_and_one_that_said_none_never() -> None:
+    ram = RamWatch()
+    assert not ram.rely(2.0, 0.05, now=1.0)         # not asked: an even bet, and the file's restore is cheaper
+    ram.present = True                              # `backends.ram_check` saw the RAM give a prompt back
+    assert ram.rely(2.0, 0.05, now=1.0) and ram.rely(None, None, now=1.0)   # no PROBE_PAYBACK to wait for
+    ram.seen(True, now=2.0)
+    assert ram.rely(2.0, 0.05, now=3.0)
+    ram.seen(False, now=4.0)                        # a miss: weighed again, the outcomes with the prior
+    assert not ram.rely(2.0, 0.05, now=5.0) and not ram.probe(2.0, now=5.0)
+    none = RamWatch()
+    none.present = False                            # --cache-ram 0: the check's prompt was not given back
+    none.restored(1000.0)
+    assert not any(none.probe(0.1, now=float(t)) for t in range(1, 2 * int(RAM_RETRY_SECONDS)))
+    assert not none.rely(2.0, 1.9, now=5.0) and not none.rely(0.001, 10.0, now=5.0)
+    none.seen(True, now=6.0)                        # ... yet it served one: the returns decide from now on
+    assert none.present is None and none.rely(None, None, now=7.0)
+
+
+def test_a_restart_forgets_what_the_ram_did_and_whether_it_has_one() -> None:
+    ram = RamWatch()
+    ram.present = True
+    for t in range(RAM_TRUST):
+        ram.seen(True, now=float(t))
+    ram.forget()
+    assert ram.present is None and not ram.outcomes and ram.miss_rate(now=10.0) == 1.0
+    caches = ServerCaches()
+    caches.held(0, [1, 2, 3])
+    caches.held(1, [1, 2])
+    caches.forget(0)
+    assert caches.find([1, 2, 3]) == (1, 2)
 
 class _Claims:
     """Leases across replicas as `fleet.Fleet` grants them: a claim of `stale` tells what it really holds."""
