@@ -6,12 +6,12 @@ hold, and leaves a return to the RAM only on a probe, which waits until the file
 (`server_cache.PROBE_PAYBACK`). On a server whose RAM holds the working set, that learning phase costs restores and
 hand-overs the server alone never pays; on one started with `--cache-ram 0`, every probe costs a prefill.
 
-How (llama-server b11434, "The built-in RAM prompt cache"): prompt A, then prompt B, then A again, each pinned to the
-same slot. B replaces A in the slot, and a server with a RAM cache copies A there first; the third request then loads
-A from RAM (its `timings.cache_n` is most of A). Without a RAM cache (or with `--slot-prompt-similarity 0`, under
-which a pinned request never looks there) the slot holds B, which shares nothing with A: `cache_n` is 0, or 1 for
-a shared BOS token. The prompts are a few dozen tokens of text unlike anything a client sends, and one token is
-generated; the slot is left holding A.
+How (llama-server b11434, "The built-in RAM prompt cache"): prompt A, then prompt B, then A and a few more words, each
+pinned to the same slot. B replaces A in the slot, and a server with a RAM cache copies A there first; the third request
+then loads A from RAM (its `timings.cache_n` is most of its prompt). Without a RAM cache (or with
+`--slot-prompt-similarity 0`, under which a pinned request never looks there) the slot holds B, which shares nothing
+with A: `cache_n` is 0, or 1 for a shared BOS token. The prompts are a few dozen tokens of text unlike anything a client
+sends, and one token is generated; the slot is left holding A.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ PROMPTS = (
     "harbour, seven lanterns, 4081 tiles.",
     "Zweiter Text ohne Gemeinsamkeit: grüne Würfel, 9267 Brücken, ein Uhu zählt Schneeflocken im Jänner.",
 )
+AGAIN = " And one more line."   # the third prompt extends A, as a real return does (a recurrent or hybrid model
+                                # reuses a cache only for a prompt that goes beyond it)
 HIT_SHARE = 0.5   # the third request took at least this share of its prompt from the server's cache: a RAM hit
 
 
@@ -42,7 +44,7 @@ async def ram_cache_found(client: LlamaClient, slot: int) -> bool | None:
     try:
         opened = await _completion(client, first, slot)
         await _completion(client, other, slot)
-        again = await _completion(client, first, slot)
+        again = await _completion(client, first + AGAIN, slot)
     except ProxyError as e:
         log.info("ram_check_failed url=%s slot=%d: %s", client.url, slot, e.message)
         return None

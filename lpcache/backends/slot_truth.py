@@ -15,6 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from lpcache.backends import swap
 from lpcache.backends.backend import Backend
@@ -68,8 +69,7 @@ class SlotTruth:
             if listing is None:
                 continue   # no /slots on this server: lpcache cannot tell
             counts = {s.get("id"): s.get("n_prompt_tokens") for s in listing}
-            if listing and self.on_restart is not None and not any("id_task" in s for s in listing):
-                self.on_restart(backend)   # no slot has run a task since the server started: it restarted
+            self.restart_seen(backend, listing)
             backend.loadable.slot_ctx.update({(model, s["id"]): s["n_ctx"] for s in listing if isinstance(
                 s.get("id"), int) and isinstance(s.get("n_ctx"), int) and s["n_ctx"] > 0})
             working = {s.get("id") for s in listing if s.get("is_processing")}
@@ -91,6 +91,16 @@ class SlotTruth:
                             "restored from disk when asked for", backend.url, model or "-",
                             ",".join(f"{s.id}(tokens {n} not {e})" for s, n, e in lost))
         backend.last_seen = time.monotonic()
+
+    def restart_seen(self, backend: Backend, listing: list[dict[str, Any]]) -> None:
+        """Tell `on_restart` when the listing says the server restarted since it was last seen: no slot has run a
+        task since it started, or the highest task number went back (tasks are numbered from 0 at each start)."""
+        tasks = [s["id_task"] for s in listing if isinstance(s.get("id_task"), int)]
+        mark = max(tasks, default=-1)
+        restarted = bool(listing) and (not tasks or mark < backend.task_mark)
+        backend.task_mark = mark
+        if restarted and self.on_restart is not None:
+            self.on_restart(backend)
 
     def forget(self, backend: Backend, model: str | None, why: str) -> None:
         for slot in self.pool.slots:

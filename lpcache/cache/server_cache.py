@@ -87,17 +87,25 @@ class RamWatch:
         # on from the first return it likely holds, until it misses one); False, none does (never probed nor relied
         # on); None, not asked yet, or no clear answer (learnt from the returns alone)
         self.present: bool | None = None
+        self.generation = 0   # bumped at each restart: a check begun before one does not speak for the new server
 
     def forget(self) -> None:
         """The server was restarted: its RAM is empty, and whether it has one is asked again."""
         self.outcomes.clear()
         self.spared = 0.0
         self.present = None
+        self.generation += 1
+
+    def answered(self, present: bool, generation: int) -> None:
+        """What the check begun at `generation` found; void if the server restarted, or a return decided, since."""
+        if generation == self.generation and self.present is None and not self.outcomes:
+            self.present = present
 
     def seen(self, hit: bool, now: float) -> None:
         self.outcomes.append((now, hit))
         if hit and self.present is False:
             self.present = None   # it served one after all: the check was wrong, and the returns decide
+            self.generation += 1  # (and a check still under way does not say otherwise)
 
     @property
     def served(self) -> bool:

@@ -34,8 +34,8 @@ class RamReach:
         """The server whose RAM likely holds the longest prefix of the prompt (`server_cache`), how much, whether it
         is relied on over a restore of the `best` file (`rely`, with the prefill of what that file lacks)."""
         found = self.server_caches.find(prompt.exact)
-        if found is None:
-            return None
+        if found is None or self.backends[found[0]].ram.present is False:
+            return None   # (a server that said it has no RAM cache holds nothing once a slot is reused)
         backend = self.backends[found[0]]
         speeds = self.speeds.of(backend.index, RouterModels.served(backend, prompt.model))
         file_tokens = speeds.tokens_of(best.shared) if best is not None and best.shared < found[1] else None
