@@ -126,7 +126,8 @@ class Backend:
     suspect: bool = False      # something may have changed its slots behind lpcache (checked with GET /slots)
     ram: RamWatch = field(default_factory=RamWatch)   # what its RAM prompt cache (--cache-ram) does with prompts
     launched_at: float = 0.0   # when a request was last sent to it (monotonic): idle slots were copied to its RAM then
-    task_mark: int = -1        # the highest task number its slots showed (GET /slots `id_task`): lower later, restarted
+    task_marks: dict[str | None, int] = field(default_factory=dict)   # per model instance (None: the server's own),
+                               # the highest task number its slots showed (GET /slots `id_task`): lower later, restarted
     loadable: Loadable = field(default_factory=Loadable)   # what it can load beyond the model (`loadable`)
     saves_off: bool = False    # it answered a slot call 501 (no --slot-save-path): no saves, no restores until it
                                # is seen down and back (restarted, perhaps with the flag)

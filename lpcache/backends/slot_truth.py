@@ -69,7 +69,7 @@ class SlotTruth:
             if listing is None:
                 continue   # no /slots on this server: lpcache cannot tell
             counts = {s.get("id"): s.get("n_prompt_tokens") for s in listing}
-            self.restart_seen(backend, listing)
+            self.restart_seen(backend, listing, model)
             backend.loadable.slot_ctx.update({(model, s["id"]): s["n_ctx"] for s in listing if isinstance(
                 s.get("id"), int) and isinstance(s.get("n_ctx"), int) and s["n_ctx"] > 0})
             working = {s.get("id") for s in listing if s.get("is_processing")}
@@ -92,13 +92,14 @@ class SlotTruth:
                             ",".join(f"{s.id}(tokens {n} not {e})" for s, n, e in lost))
         backend.last_seen = time.monotonic()
 
-    def restart_seen(self, backend: Backend, listing: list[dict[str, Any]]) -> None:
-        """Tell `on_restart` when the listing says the server restarted since it was last seen: no slot has run a
-        task since it started, or the highest task number went back (tasks are numbered from 0 at each start)."""
+    def restart_seen(self, backend: Backend, listing: list[dict[str, Any]], model: str | None = None) -> None:
+        """Tell `on_restart` when the listing (of one model's instance on a router) says the server restarted since
+        it was last seen: no slot has run a task since it started, or the highest task number went back (tasks are
+        numbered from 0 at each start, each instance of a router's on its own)."""
         tasks = [s["id_task"] for s in listing if isinstance(s.get("id_task"), int)]
         mark = max(tasks, default=-1)
-        restarted = bool(listing) and (not tasks or mark < backend.task_mark)
-        backend.task_mark = mark
+        restarted = bool(listing) and (not tasks or mark < backend.task_marks.get(model, -1))
+        backend.task_marks[model] = mark
         if restarted and self.on_restart is not None:
             self.on_restart(backend)
 

@@ -83,11 +83,13 @@ def test_a_restart_is_seen_in_the_slots_task_numbers_too() -> None:
 
     seen: list[Any] = []
     truth = SlotTruth([], None, on_restart=seen.append)  # type: ignore[arg-type]
-    server: Any = SimpleNamespace(task_mark=-1)
+    server: Any = SimpleNamespace(task_marks={})
     truth.restart_seen(server, [{"id": 0, "id_task": 40}, {"id": 1, "id_task": 57}, {"id": 2}])
     truth.restart_seen(server, [{"id": 0, "id_task": 61}, {"id": 1, "id_task": 57}, {"id": 2}])
-    assert seen == [] and server.task_mark == 61
+    assert seen == [] and server.task_marks[None] == 61
+    truth.restart_seen(server, [{"id": 0, "id_task": 5}], model="other")           # a router's other instance
+    assert seen == []                                   # numbers its tasks on its own: no restart of the first
     truth.restart_seen(server, [{"id": 0, "id_task": 3}, {"id": 1}, {"id": 2}])   # restarted, 4 tasks run since
-    assert seen == [server] and server.task_mark == 3
+    assert seen == [server] and server.task_marks[None] == 3
     truth.restart_seen(server, [{"id": 0}, {"id": 1}, {"id": 2}])                  # restarted, nothing run since
     assert seen == [server, server]
