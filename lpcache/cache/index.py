@@ -86,6 +86,8 @@ class MetaIndex(MetaFiles, IndexLimits):
         # cache holds all of but a short end): they go early when the limits bite, since a slot's cache is saved
         # again before anything replaces it (see `_over_limit`).
         self.held: Callable[[], Collection[str]] = tuple
+        # The files of the caches idle slots hold (set by the slot filler): the replacement order takes them last.
+        self.in_slots: Callable[[], Collection[str]] = tuple
         # With REDIS_URL (`fleet.replica.Fleet.files_in_use`): the files other replicas' requests restore or save now.
         self.in_use_elsewhere: Callable[[], Collection[str]] = tuple
         # With REDIS_URL (`Fleet.names`): whether the shared index has an entry of that name, readable here or not.

@@ -27,6 +27,7 @@ class IndexLimits:
     max_bytes: int
     slot_save_paths: tuple[str, ...]
     held: Callable[[], Collection[str]]
+    in_slots: Callable[[], Collection[str]]
     in_use_elsewhere: Callable[[], Collection[str]]
     evicted: int
     _entries: dict[str, MetaEntry]
@@ -131,7 +132,10 @@ class IndexLimits:
         2. files of caches an idle slot still holds (`held`): the slot serves them while it keeps them, and saves
            them again before a restore or another prompt replaces them (`slot_fill.prepare`), so the limits then
            hold the caches no slot has (META_MAX files plus one per slot in all);
-        3. the rest, by the replacement order (`eviction`): the one needed furthest in the future first.
+        3. the rest, by the replacement order (`eviction`): the one needed furthest in the future first; the
+           files of caches an idle slot holds (`in_slots`) only when nothing else is left (the replacement order
+           puts the entries just used furthest away, and deleting one means writing it again before its slot is
+           replaced: where a file beside the slots is not worth that write, step 2 leaves them here).
         """
         in_use = self.files_in_use()
         spare = {keep, *in_use}
@@ -140,11 +144,16 @@ class IndexLimits:
         removed += self._evict_among(self.held(), in_use, "in_slot")
         if self.over():
             count, size = self._limits()
-            for key in self._usage.victims(time.time(), count, size, spare):
-                entry = self._entries.get(key)
-                if entry is not None:
-                    self._evict_entry(entry, "limit")
-                    removed.append(entry)
+            now = time.time()
+            slots_held = set(self.in_slots()) - spare
+            for spared in (spare | slots_held, spare) if slots_held else (spare,):
+                for key in self._usage.victims(now, count, size, spared):
+                    entry = self._entries.get(key)
+                    if entry is not None:
+                        self._evict_entry(entry, "limit")
+                        removed.append(entry)
+                if not self.over():
+                    break
         self.evicted += len(removed)
         return removed
 

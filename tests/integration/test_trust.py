@@ -341,6 +341,33 @@ def test_long_prompts_past_meta_max_are_each_written_once_and_the_slots_still_se
     assert proxy.pipeline.index.lost == 0
 
 
+def test_where_a_prefill_is_as_quick_as_a_save_each_cache_is_saved_after_its_answer_never_on_a_later_way(
+        start_backend: Any, start_proxy: Any, caplog: Any) -> None:
+    """The same one-off long prompts on a stand-in that computes a prompt about as fast as it writes it (a GPU's
+    case): a file beside the slots' caches spares less than writing a slot's cache a second time on the way of the
+    request that replaces it, so nothing waits unsaved in its slot. Each cache is written once, right after its
+    answer (the limits delete another file, never a slot's), and no request pays an earlier one's save."""
+    import logging
+
+    backend = start_backend(slots=4)
+    proxy = start_proxy(backend, meta_max=6, big_threshold_words=100)
+    bodies = [chats.request(520 + i, 260) for i in range(16)]
+    caplog.set_level(logging.INFO)
+    for i, body in enumerate(bodies):
+        saves_before = mock_stats(backend)["saves"]
+        send(proxy, body)
+        proxy.settle()
+        assert mock_stats(backend)["saves"] == saves_before + 1, f"request {i}: one write, its own"
+        assert len(proxy.pipeline.index) <= 6 and not proxy.pipeline.index.over(), i
+        assert not [s for s in proxy.pipeline.pool.slots if s.content is not None and s.content.dirty], i
+    said = [r.getMessage() for r in caplog.records]
+    assert not [m for m in said if "save_deferred" in m or "reason=in_slot" in m], said
+    for body in bodies[-4:]:   # the last four still served from their slots
+        r = send(proxy, body)
+        assert r.headers["x-lpcache-cache-hit"] == "true" and r.json()["timings"]["cache_n"] > 200, r.headers
+    assert proxy.pipeline.index.lost == 0
+
+
 def test_caches_left_unsaved_in_their_slots_are_saved_at_shutdown_and_kept_for_the_restart(
         start_backend: Any, start_proxy: Any, slot_dir: str, caplog: Any) -> None:
     """Past META_MAX the last caches wait in their slots (`save_deferred`); a stop saves them, and no slot is ever

@@ -719,6 +719,23 @@ async def test_files_an_idle_slot_holds_go_before_the_others(make_index) -> None
     assert [e.key for e in removed] == [d.key] and a.key in idx and c.key in idx
 
 
+async def test_the_replacement_order_takes_an_idle_slots_file_only_when_nothing_else_is_left(make_index) -> None:
+    """Where a file beside the slots does not pay for a second write (`held` leaves the slots' own files out), the
+    replacement order deletes any other file first: a slot's would be written again before its slot is replaced."""
+    idx = make_index(wpb=2, meta_max=2)
+    a, b, c, d = (prompt(text(10, tag=t)) for t in ("a", "b", "c", "d"))
+    for p in (a, b):
+        await idx.add(p, URL, None)
+    idx.in_slots = lambda: [a.key]
+    assert [e.key for e in await idx.add(c, URL, None)] == [b.key]
+    idx.in_slots = lambda: [c.key]
+    assert [e.key for e in await idx.add(d, URL, None)] == [a.key]
+    idx.in_slots = lambda: [e.key for e in (a, b, c, d) if e.key in idx]   # every file a slot's: one still goes
+    e = prompt(text(10, tag="e"))
+    removed = await idx.add(e, URL, None)
+    assert len(removed) == 1 and e.key in idx and len(idx) == 2
+
+
 # ---- keys confined to their folder, start-up on a hostile META_DIR, reconciliation of the folders ----
 
 def write_meta(meta_dir, name: str, doc: dict) -> str:
