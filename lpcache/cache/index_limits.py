@@ -150,7 +150,7 @@ class IndexLimits:
                 for key in self._usage.victims(now, count, size, spared):
                     entry = self._entries.get(key)
                     if entry is not None:
-                        self._evict_entry(entry, "limit")
+                        self._evict_entry(entry, "in_slot" if key in slots_held else "limit")
                         removed.append(entry)
                 if not self.over():
                     break

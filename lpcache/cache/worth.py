@@ -167,12 +167,23 @@ class Worth:
         if s is None:
             probe = p * tokens >= PROBE_SECONDS * 1000.0
             return self._count(probe, "probe" if probe else "probe_too_short")
+        worth = self._spares(p, speeds, tokens, ram_miss) > MARGIN * s * tokens
+        return self._count(worth, "worth" if worth else "not_worth")
+
+    def spares_ms(self, speeds: Speeds, tokens: int, ram_miss: float = 1.0) -> float | None:
+        """The prefill, in ms, a file of a cache of `tokens` tokens is expected to spare (the need rate times what a
+        return restoring it saves over computing it); None while the prefill or the save speed is unknown."""
+        p = speeds.prefill.ms_per_token
+        if p is None or speeds.save.ms_per_token is None:
+            return None
+        return self._spares(p, speeds, tokens, ram_miss)
+
+    def _spares(self, p: float, speeds: Speeds, tokens: int, ram_miss: float) -> float:
         r = speeds.restore.ms_per_token
         if r is None:
-            r = s   # reading a file back costs about what writing it did
+            r = speeds.save.ms_per_token or 0.0   # reading a file back costs about what writing it did
         wait = speeds.wait_ms or 0.0   # the restore's /slots call waits for the server's batch under way
-        worth = self.watch.rate() * ram_miss * ((p - r) * tokens - wait) > MARGIN * s * tokens
-        return self._count(worth, "worth" if worth else "not_worth")
+        return self.watch.rate() * ram_miss * ((p - r) * tokens - wait)
 
     @staticmethod
     def per_byte(speeds: Speeds, tokens: int | None, size: int | None) -> float | None:

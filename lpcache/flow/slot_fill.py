@@ -52,8 +52,9 @@ from lpcache.errors import QueueFull, SlotsBusy
 from lpcache.flow import cache_outcome
 from lpcache.flow.ram_reach import RamReach
 from lpcache.flow.record import RequestRecord, now_ns
-from lpcache.flow.saving import Saver, cache_file, resavable, slot_files_off
+from lpcache.flow.saving import Saver, cache_file, slot_files_off
 from lpcache.flow.session_seed import SessionSeeds
+from lpcache.flow.slot_files import SlotFiles
 
 log = logging.getLogger("lpcache.slot_fill")
 
@@ -75,86 +76,7 @@ class SlotFiller:
         self.ram = RamReach(self.backends, speeds, self.server_caches)
         self.seeds = SessionSeeds(sessions, self.backends, saver.folders, index, settings.words_per_block,
                                   settings.lcp_th)
-        index.held = self.held_keys
-        index.in_slots = self.slot_keys
-        saver.save_later = self.save_later
-
-    def held_keys(self) -> list[str]:
-        """The prefix caches whose files can go first when the index's limits bite, because an idle slot holds
-        them, or a cache that continues them, and saves it before anything replaces it (`prepare`): first the files
-        a slot's cache holds all of but a short end (with SAVE_POLICY=evict, its conversation's earlier turn,
-        restored into it: an unsaved cache is saved before it is replaced anyway, so they go for nothing), then the
-        slots' own files (saved again then) where a file beside the slots pays for that second write
-        (`beside_pays`)."""
-        covered, own = self._held()
-        return covered + [key for key, pays in own if pays]
-
-    def slot_keys(self) -> list[str]:
-        """The idle slots' own files: the replacement order takes any other file before them (deleting one means
-        writing it again before its slot is replaced)."""
-        return [key for key, _ in self._held()[1]]
-
-    def _held(self) -> tuple[list[str], list[tuple[str, bool]]]:
-        """(files a slot's cache holds all of but a short end, the slots' own files with `beside_pays`), of the idle
-        slots that save their cache before anything replaces it. None with REDIS_URL: another replica replaces a
-        slot without saving what this one left there (it does not know its prompt); nor at shutdown: a slot saved
-        then is never replaced."""
-        covered: list[str] = []
-        own: list[tuple[str, bool]] = []
-        if self.pool.claims is not None or self.saver.stopping:
-            return covered, own
-        for s in self.pool.slots:
-            content = s.content
-            backend = self.backends[s.backend]
-            if s.busy or content is None or not resavable(content) or not self.enabled(backend, content.model):
-                continue
-            if content.saved:
-                own.append((content.key, self.beside_pays(backend, content)))
-            covered += [k for k in self.index.covered(content.fingerprint, content.chain) if k != content.key]
-        return covered, own
-
-    def beside_pays(self, backend: Backend, content: Content) -> bool:
-        """Whether one more file beside the slots' caches is worth a second write of a slot's cache. When the limits
-        bite, a save can make room by deleting the file of a cache an idle slot holds (the slot still serves it, and
-        the files then hold one more distinct cache), at the price of writing it again, on the way of the request
-        that replaces that slot; or by deleting the file the replacement order names, at the price of the prefill
-        that file would spare if its conversation came back (the need rate of `worth`). Where a prefill costs
-        seconds (a CPU) the file is worth far more than a write; where it is as quick as the disk (a GPU, a
-        stand-in) the second write is the only cost left. Unknown speeds: the file is kept, as before they were
-        weighed."""
-        tokens = content.tokens
-        if not tokens:
-            return True
-        speeds = self.speeds.of(backend.index, RouterModels.served(backend, content.model))
-        prefill, save = speeds.prefill.seconds(tokens), speeds.save.seconds(tokens)
-        if prefill is None or save is None:
-            return True
-        save += (speeds.wait_ms or 0.0) / 1000.0   # the /slots call's wait, paid on that request's way too
-        return self.saver.worth.watch.rate() * prefill > save
-
-    def save_later(self, backend: Backend, content: Content) -> bool:
-        """Whether a cache just computed (SAVE_POLICY=eager), or idle (SAVE_IDLE_SECONDS), stays unsaved in its slot
-        until the slot is needed: META_MAX is reached and no file can go but the file of a cache an idle slot holds
-        (its own, once its slot is idle again, or another's), which that slot would save again before anything
-        replaces it (`prepare`). Two writes would keep the caches one write keeps later, when the slot is needed and
-        what goes is chosen by the replacement order. Files that can go instead: those a later turn moved on from,
-        or that a slot's cache holds all of but a short end; and, where a file beside the slots is not worth a
-        second write (`beside_pays`), any file no idle slot holds (the limits take those first: `held_keys`)."""
-        if content.prompt is None or self.pool.claims is not None or self.saver.stopping:
-            return False
-        excess = self.index.excess_after(content.prompt, content.key, backend.url, backend.config.slot_save_path,
-                                         content.fingerprint, content.tokens)
-        if excess <= 0:
-            return False
-        covered, own = self._held()
-        in_use = self.index.files_in_use()
-        free = {k for k in covered if k in self.index and k not in in_use}
-        if excess <= len(free):
-            return False
-        if self.beside_pays(backend, content):
-            return True
-        kept_back = {k for k in (free | in_use | {key for key, _ in own}) if k in self.index}
-        return excess > len(free) + len(self.index) - len(kept_back)
+        self.files = SlotFiles(self.backends, pool, index, speeds, saver, self.enabled)
 
     # ---- what may be cached where ----
 
@@ -398,7 +320,12 @@ class SlotFiller:
                 record.saved_for_ram = True
             if held is not None and self.saver.unsaved(held) and (
                     restoring or common_prefix(held.chain, prompt.exact) < len(held.chain)):
-                await self.saver.save_held(backend, slot, held, record)
+                if not record.saved_for_ram and self.files.crowds_slots(backend, held):
+                    log.info("save_dropped key=%s slot=%s: its file could only take the place of an idle slot's own "
+                             "file, and a file spares less than a write here (beside_pays); the cache is let go",
+                             held.key[:16], slot.name)
+                else:
+                    await self.saver.save_held(backend, slot, held, record)
             if restoring and not self.pool.ours(slot):   # lapsed during the save
                 log.warning("restore_skipped_lease slot=%s: the slot's lease lapsed; its prompt is computed",
                             slot.name)

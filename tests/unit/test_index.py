@@ -730,10 +730,10 @@ async def test_the_replacement_order_takes_an_idle_slots_file_only_when_nothing_
     assert [e.key for e in await idx.add(c, URL, None)] == [b.key]
     idx.in_slots = lambda: [c.key]
     assert [e.key for e in await idx.add(d, URL, None)] == [a.key]
-    idx.in_slots = lambda: [e.key for e in (a, b, c, d) if e.key in idx]   # every file a slot's: one still goes
-    e = prompt(text(10, tag="e"))
-    removed = await idx.add(e, URL, None)
-    assert len(removed) == 1 and e.key in idx and len(idx) == 2
+    idx.in_slots = lambda: [p.key for p in (a, b, c, d) if p.key in idx]   # every file a slot's: one still goes
+    last = prompt(text(10, tag="e"))
+    removed = await idx.add(last, URL, None)
+    assert len(removed) == 1 and last.key in idx and len(idx) == 2
 
 
 # ---- keys confined to their folder, start-up on a hostile META_DIR, reconciliation of the folders ----
