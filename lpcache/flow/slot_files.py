@@ -19,6 +19,7 @@ from lpcache.backends.router_models import RouterModels
 from lpcache.backends.slot_pool import SlotPool
 from lpcache.backends.slots import Content
 from lpcache.cache.index import MetaIndex
+from lpcache.cache.prefix import Prompt
 from lpcache.cache.speeds import SpeedBook
 from lpcache.flow.saving import Saver, resavable
 
@@ -101,18 +102,7 @@ class SlotFiles:
         second write (`beside_pays`), any file no idle slot holds (`crowds_slots`)."""
         if content.prompt is None or self.pool.claims is not None or self.saver.stopping:
             return False
-        excess = self.index.excess_after(content.prompt, content.key, backend.url, backend.config.slot_save_path,
-                                         content.fingerprint, content.tokens)
-        if excess <= 0:
-            return False
-        covered, own = self._held()
-        in_use = self.index.files_in_use()
-        free = {k for k in covered if k in self.index and k not in in_use}
-        if excess <= len(free):
-            return False
-        if self.beside_pays(backend, content):
-            return True
-        return self._crowds(excess, free, in_use, own)
+        return self._room(backend, content, content.prompt, lambda: self.beside_pays(backend, content))
 
     def crowds_slots(self, backend: Backend, content: Content) -> bool:
         """Where a file beside the slots is not worth a second write (`beside_pays`): whether saving this cache now
@@ -122,17 +112,21 @@ class SlotFiles:
         if content.prompt is None or content.session is not None or self.pool.claims is not None \
                 or self.saver.stopping or self.beside_pays(backend, content):
             return False
-        excess = self.index.excess_after(content.prompt, content.key, backend.url, backend.config.slot_save_path,
+        return self._room(backend, content, content.prompt, lambda: False)
+
+    def _room(self, backend: Backend, content: Content, prompt: Prompt, pays: Callable[[], bool]) -> bool:
+        """Whether saving `content` now could make room only by deleting an idle slot's own file: more files must
+        go than a later turn moved on from or a slot's cache holds, and, where a file beside the slots does not pay
+        (`pays()` false), than any file no idle slot holds either (counted in files: with META_MAX_GIB,
+        `excess_after` counts a file that does not fit as one more)."""
+        excess = self.index.excess_after(prompt, content.key, backend.url, backend.config.slot_save_path,
                                          content.fingerprint, content.tokens)
         if excess <= 0:
             return False
         covered, own = self._held()
         in_use = self.index.files_in_use()
         free = {k for k in covered if k in self.index and k not in in_use}
-        return excess > len(free) and self._crowds(excess, free, in_use, own)
-
-    def _crowds(self, excess: int, free: set[str], in_use: set[str], own: list[tuple[str, bool]]) -> bool:
-        """More files must go than those that can go before an idle slot's own (counted in files: with
-        META_MAX_GIB, `excess_after` counts a file that does not fit as one more)."""
+        if excess <= len(free) or pays():
+            return excess > len(free)
         kept_back = {k for k in (free | in_use | {key for key, _ in own}) if k in self.index}
         return excess > len(free) + len(self.index) - len(kept_back)
