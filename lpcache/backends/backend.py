@@ -125,7 +125,8 @@ class Backend:
     model_fingerprints: dict[str, str] = field(default_factory=dict)  # router: per model
     suspect: bool = False      # something may have changed its slots behind lpcache (checked with GET /slots)
     ram: RamWatch = field(default_factory=RamWatch)   # what its RAM prompt cache (--cache-ram) does with prompts
-    launched_at: float = 0.0   # when a request was last sent to it (monotonic): idle slots were copied to its RAM then
+    launched_at: float = 0.0   # the send (monotonic) of the last request whose answer began: the server had launched
+                               # it, copying the slots idle by then to its RAM (`ram_reach.holds`)
     task_marks: dict[str | None, int] = field(default_factory=dict)   # per model instance (None: the server's own),
                                # the highest task number its slots showed (GET /slots `id_task`): lower later, restarted
     loadable: Loadable = field(default_factory=Loadable)   # what it can load beyond the model (`loadable`)

@@ -350,10 +350,14 @@ class Attempts:
                 if self.want is None and not self.record.restored:
                     self.record.cache_hit = choice.resident > 0
                 self.sent, self.sent_ns, self.answered_ns = True, now_ns(), None
-                choice.slot.phase, choice.slot.sent_at = "generate", time.monotonic()
-                backend.launched_at = choice.slot.sent_at
+                sent_at = time.monotonic()
+                choice.slot.phase, choice.slot.sent_at = "generate", sent_at
                 upstream = await backend.client.chat(self.body, choice.slot.id if self.unpinned is None else None,
                                                      self.path, self.client_auth)
+                # its answer began: the server launched it, and copied every slot idle when it did (`ram_reach.holds`)
+                # to its RAM. Not at the send: the server tokenizes first, and a restore sent meanwhile by another
+                # request may reach its queue before this launch, replacing a slot's cache it had not copied yet.
+                backend.launched_at = max(backend.launched_at, sent_at)
             except BackendUnreachable:
                 raise   # `start` fails over (`_failed`)
             except asyncio.CancelledError:

@@ -73,9 +73,11 @@ class RamReach:
     def holds(backend: Backend, slot: Slot) -> bool:
         """Whether the server has likely copied what the idle `slot` holds to its RAM prompt cache already: with
         `--cache-idle-slots` (on with the RAM cache, by default) it copies every idle slot there whenever a request
-        starts, so a request sent to it after this slot's last one ended did. A restore replaces a slot's cache
-        without copying it; only then is that cache lost to the RAM. Not for a server whose RAM has missed every
-        prompt left to it lately, or that said it has no RAM cache (one started with `--cache-ram 0` copies nothing)."""
+        starts, so a request sent to it after this slot's last one ended did, once its answer began (a request only
+        sent may reach the server's queue after a restore sent later: `Backend.launched_at`). A restore replaces a
+        slot's cache without copying it; only then is that cache lost to the RAM. Not for a server whose RAM has
+        missed every prompt left to it lately, or that said it has no RAM cache (one started with `--cache-ram 0`
+        copies nothing)."""
         if backend.ram.present is False:
             return False
         recent = backend.ram.recent(time.monotonic())

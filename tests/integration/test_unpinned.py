@@ -268,3 +268,25 @@ def test_a_save_made_only_to_keep_the_ram_s_reach_is_marked_as_such(start_backen
     assert record.restored and record.swap_saved and record.saved_for_ram, (record.restored, record.swap_saved)
     after = mock_stats(backend)
     assert after["saves"] >= before["saves"] + 1 and after["restores"] == before["restores"] + 1
+
+
+def test_a_request_counts_as_launched_only_once_its_answer_began(start_backend: Any, start_proxy: Any) -> None:
+    """llama-server copies its idle slots to RAM when it launches a task, after tokenizing the request: a restore sent
+    meanwhile may reach its queue first. So lpcache counts a request as launched (`Backend.launched_at`, what
+    `ram_reach.holds` reads) only once its answer began, and then with the time it was sent: while the stand-in still
+    computes a long prompt, nothing has changed; once the answer is in, the mark is that request's send."""
+    backend = start_backend(slots=2, prefill_ms_per_token=4.0)
+    proxy = start_proxy(backend)
+    launched = on_loop(proxy, lambda: proxy.pipeline.backends[0].launched_at)
+    answers: list[httpx.Response] = []
+    sent = time.monotonic()
+    thread = threading.Thread(target=lambda: answers.append(proxy.chat(
+        user("Summarise this, please: " + "the lighthouse keeper counts ships, gulls and storms; " * 60),
+        max_tokens=2)))
+    thread.start()
+    until(lambda: any(s.get("is_processing") for s in httpx.get(f"{backend.url}/slots").json()), 10)
+    assert on_loop(proxy, lambda: proxy.pipeline.backends[0].launched_at) == launched, "counted before its answer"
+    thread.join(30)
+    assert answers and answers[0].status_code == 200, answers
+    now = on_loop(proxy, lambda: proxy.pipeline.backends[0].launched_at)
+    assert launched < sent <= now < time.monotonic()
