@@ -10,8 +10,9 @@ How (llama-server b11434, "The built-in RAM prompt cache"): prompt A, then promp
 pinned to the same slot. B replaces A in the slot, and a server with a RAM cache copies A there first; the third request
 then loads A from RAM (its `timings.cache_n` is most of its prompt). Without a RAM cache (or with
 `--slot-prompt-similarity 0`, under which a pinned request never looks there) the slot holds B, which shares nothing
-with A: `cache_n` is 0, or 1 for a shared BOS token. The prompts are a few dozen tokens of text unlike anything a client
-sends, and one token is generated; the slot is left holding A.
+with A: `cache_n` is 0, or 1 for a shared BOS token. The prompts are a dozen tokens each of text unlike anything a
+client sends (A and B share nothing, not even a first token), and one token is generated; the slot is left holding A.
+Short, because the server computes them and counts them in its own figures: 28 tokens in all (they were 88).
 """
 
 from __future__ import annotations
@@ -27,12 +28,11 @@ from lpcache.errors import ProxyError
 log = logging.getLogger("lpcache.ram_check")
 
 PROMPTS = (
-    "lpcache asks whether this llama-server keeps a prompt cache in RAM: first prompt, amber falcon over quiet "
-    "harbour, seven lanterns, 4081 tiles.",
-    "Zweiter Text ohne Gemeinsamkeit: grüne Würfel, 9267 Brücken, ein Uhu zählt Schneeflocken im Jänner.",
+    "lpcache RAM check: amber falcon, 4081 tiles.",
+    "Second text: 9267 green dice.",
 )
-AGAIN = " And one more line."   # the third prompt extends A, as a real return does (a recurrent or hybrid model
-                                # reuses a cache only for a prompt that goes beyond it)
+AGAIN = " Again."   # the third prompt extends A, as a real return does (a recurrent or hybrid model reuses a cache
+                    # only for a prompt that goes beyond it)
 HIT_SHARE = 0.5   # the third request took at least this share of its prompt from the server's cache: a RAM hit
 
 
