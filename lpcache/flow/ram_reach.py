@@ -85,9 +85,11 @@ class RamReach:
 
     def restored_over(self, backend: Backend, previous: Content | None, idle_copied: bool) -> None:
         """A restore replaced `previous` in a slot without the server copying it to its RAM: unless the server had
-        copied it there as an idle slot already (`holds`, read before the restore), it is no longer there."""
+        copied it there as an idle slot already (`holds`, read before the restore), it is no longer there (and,
+        when a file holds it, remembered as lost: `flow.unpinned` puts it back before requests go unpinned)."""
         if previous is not None and not idle_copied:
-            self.server_caches.gone(backend.index, previous.chain)
+            on_disk = previous.saved or previous.keep   # (`keeps` saved it just before the restore)
+            self.server_caches.gone(backend.index, previous.chain, previous.key if on_disk else None)
 
     def keeps(self, backend: Backend, slot: Slot, held: Content) -> bool:
         """What the slot holds was left unsaved because the server's RAM prompt cache serves the returns (not worth

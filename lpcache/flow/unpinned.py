@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from lpcache.backends import swap
 from lpcache.backends.backend import Backend
+from lpcache.backends.ram_check import copy_to_ram
 from lpcache.backends.router_models import RouterModels
 from lpcache.backends.slot_pool import SlotPool
 from lpcache.backends.slots import Content
@@ -43,6 +45,7 @@ from lpcache.cache.reuse import REUSE_MIN_TOKENS
 from lpcache.cache.server_cache import RAM_HIT_SHARE, RAM_TRUST
 from lpcache.cache.speeds import SpeedBook
 from lpcache.config import Settings
+from lpcache.flow.ram_reach import RamReach
 from lpcache.flow.record import RequestRecord
 from lpcache.flow.saving import Saver
 
@@ -77,6 +80,7 @@ class UnpinnedMode:
         self.called_off = {b.index: 0 for b in self.backends}   # switches to unpinned called off lately
         self.pinned_after = {b.index: 0.0 for b in self.backends}   # no switch back to pinned before (monotonic)
         self.timers: dict[int, asyncio.TimerHandle] = {}
+        self.putting_back: set[int] = set()   # backends whose lost caches are put back before they go unpinned
         self.sent = 0                   # requests sent unpinned (metric)
         pool.closed, pool.unpinned, pool.released_hook = self.closed, self.unpinned, self.released
 
@@ -230,16 +234,63 @@ class UnpinnedMode:
         if state not in (TO_UNPINNED, TO_PINNED) or any(s.backend == b and s.busy for s in self.pool.slots):
             return
         if state == TO_UNPINNED:
+            if b in self.putting_back:
+                return
             self._cancel_timer(b)
-            for slot in self.pool.slots:
-                if slot.backend == b:
-                    slot.content = None   # the server chooses the slots from now on
-            self.state[b], self.called_off[b] = UNPINNED, 0
-            self.pool.wake()
+            lost = self.server_caches.lost(b)[:self.backends[b].n_slots]
+            if lost:
+                self.putting_back.add(b)   # still closed to hand-outs meanwhile
+                self.spawn(self._put_back(self.backends[b], lost))
+            else:
+                self._open_unpinned(b)
         elif self.inflight[b] == 0:
             self._cancel_timer(b)
             self.state[b] = DRAINING   # waiting for the server's word; still closed to hand-outs
             self.spawn(self._pinned_again(self.backends[b]))
+
+    def _open_unpinned(self, b: int) -> None:
+        for slot in self.pool.slots:
+            if slot.backend == b:
+                slot.content = None   # the server chooses the slots from now on
+        self.state[b], self.called_off[b] = UNPINNED, 0
+        self.pool.wake()
+
+    async def _put_back(self, backend: Backend, lost: list[tuple[str, tuple[int, ...]]]) -> None:
+        """Before requests go unpinned: the caches a pinned request's restore replaced before the server had copied
+        them to its RAM (saved to files first, `ram_reach.keeps`) are restored into the idle slots, newest first,
+        one a slot, where the server's RAM gets them (a request that replaces one copies it there first; any request
+        that starts copies the idle ones). Unpinned, a return to one of them would otherwise compute it all again:
+        a file holds it, the server does not. A slot whose cache the server has not copied yet is copied first, by
+        a one-token request of a tiny prompt pinned to it (`ram_check.copy_to_ram`). Whatever fails, requests go
+        unpinned all the same."""
+        b = backend.index
+        put = 0
+        try:
+            slots = sorted((s for s in self.pool.slots if s.backend == b),
+                           key=lambda s: (not RamReach.holds(backend, s), s.last_used))
+            present = []
+            for key, chain in lost:
+                folder = slots[0].slot_save_path if slots else None
+                if folder is None or await asyncio.to_thread(os.path.isfile, os.path.join(folder, key)):
+                    present.append((key, chain))
+            targets = slots[:len(present)]
+            if any(s.content is not None and not RamReach.holds(backend, s) for s in targets):
+                if not await copy_to_ram(backend.client, targets[0].id):
+                    return
+            for slot, (key, chain) in zip(targets, present, strict=False):
+                result = await swap.restore_file(backend.client, slot.id, key)
+                if result.ok:
+                    self.server_caches.found_again(b, key, chain)
+                    put += 1
+        except Exception as e:   # never left closed
+            log.warning("ram_put_back_failed url=%s: %s", backend.url, e)
+        finally:
+            self.putting_back.discard(b)
+            if put:
+                log.info("ram_put_back url=%s files=%d: caches a restore had taken out of the server's RAM reach are "
+                         "back in its slots before requests go unpinned", backend.url, put)
+            if self.state[b] == TO_UNPINNED:
+                self._open_unpinned(b)
 
     def _cancel_timer(self, b: int) -> None:
         timer = self.timers.pop(b, None)

@@ -290,3 +290,50 @@ def test_a_request_counts_as_launched_only_once_its_answer_began(start_backend: 
     assert answers and answers[0].status_code == 200, answers
     now = on_loop(proxy, lambda: proxy.pipeline.backends[0].launched_at)
     assert launched < sent <= now < time.monotonic()
+
+
+def test_caches_a_restore_took_from_the_ram_are_put_back_before_requests_go_unpinned(start_backend: Any,
+                                                                                       start_proxy: Any) -> None:
+    """Pinned, a restore replaced a session's turn the server had not copied to its RAM yet (saved to its file first,
+    `ram_reach.keeps`). Unpinned, its return would find it nowhere but in that file, so as requests go unpinned its
+    file is restored into an idle slot, where the server picks it for that return (the longest common prefix)."""
+    backend = start_backend(slots=2, prefill_ms_per_token=0.2, kv_bytes_per_token=23_040)
+    proxy = start_proxy(backend, big_threshold_words=None)
+    story = [{"role": "system", "content": "Tu es un conteur. Réponds en français, avec des phrases courtes."},
+             {"role": "user", "content": "Raconte l'histoire d'un phare 🗼 au bord de la mer, " * 80}]
+    r = proxy.chat(story, {"X-Session-ID": "phare"}, max_tokens=6)
+    assert r.status_code == 200, r.text
+    story.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
+    proxy.settle()
+    assert proxy.records[-1].saved   # a RAM never seen: worth its file
+
+    def lost_then_unpinned() -> tuple[int, int]:
+        pipeline = proxy.pipeline
+        b = pipeline.backends[0]
+        held = next(s.content for s in pipeline.pool.slots if s.content is not None)
+        assert held is not None and held.saved
+        caches = pipeline.saver.server_caches
+        caches.held(0, held.chain)
+        caches.gone(0, held.chain, held.key)   # what a restore over it would have done
+        for slot in pipeline.pool.slots:
+            slot.content = None                 # (as if other sessions' turns, copied to the RAM, filled them)
+        for _ in range(RAM_TRUST):
+            b.ram.seen(True, time.monotonic())
+        pipeline.unpinned._switch(0, "to_unpinned")
+        return len(held.chain), len(caches.lost(0))
+    before = mock_stats(backend)
+    depth, lost = on_loop(proxy, lost_then_unpinned)
+    assert lost == 1
+    until(lambda: state(proxy) == "unpinned")
+    after = mock_stats(backend)
+    assert after["restores"] == before["restores"] + 1, (before, after)
+    caches = proxy.pipeline.saver.server_caches
+    assert on_loop(proxy, lambda: caches.lost(0)) == []
+    story.append({"role": "user", "content": "Et ensuite ? Une phrase, s'il te plaît."})
+    r = proxy.chat(story, {"X-Session-ID": "phare"}, max_tokens=6)
+    assert r.status_code == 200, r.text
+    proxy.settle()
+    record = proxy.records[-1]
+    assert record.route == "unpinned", record.route
+    assert record.cache_n is not None and record.prompt_n is not None and record.cache_n > 10 * record.prompt_n, \
+        (record.cache_n, record.prompt_n)   # its history came from the slot its file was put back into

@@ -616,6 +616,29 @@ def test_server_caches_remember_the_last_holder_of_the_longest_prefix() -> None:
     assert len(caches) == 10 and caches.find(a.exact) == (0, 6)   # bounded: the oldest digests go first
 
 
+def test_caches_a_restore_took_from_the_ram_are_remembered_until_held_again() -> None:
+    from lpcache.cache.server_cache import LOST_KEPT, ServerCaches
+
+    caches = ServerCaches()
+    a, b, c = prompt(text(6)), prompt(text(9, tag="b")), prompt(text(4, tag="c"))
+    for p_ in (a, b, c):
+        caches.held(0, p_.exact)
+    caches.gone(0, a.exact, "a.bin")
+    caches.gone(0, b.exact, "b.bin")
+    caches.gone(0, c.exact)                           # no file holds it: nothing to put back
+    assert caches.find(a.exact) is None
+    assert [k for k, _ in caches.lost(0)] == ["b.bin", "a.bin"] and caches.lost(1) == []   # newest first
+    caches.held(0, prompt(text(12)).exact)            # a's conversation came back: a is held again
+    assert [k for k, _ in caches.lost(0)] == ["b.bin"]
+    caches.found_again(0, "b.bin", b.exact)
+    assert caches.lost(0) == [] and caches.find(b.exact) == (0, 9)
+    for i in range(LOST_KEPT + 3):
+        caches.gone(0, prompt(text(3, tag=f"n{i}")).exact, f"n{i}.bin")
+    assert len(caches.lost(0)) == LOST_KEPT and caches.lost(0)[0][0] == f"n{LOST_KEPT + 2}.bin"   # bounded
+    caches.forget(0)
+    assert caches.lost(0) == []
+
+
 def test_a_server_seen_serving_from_ram_is_trusted_over_a_disk_restore() -> None:
     p = prompt(text(10))
     cand = candidate(8)
