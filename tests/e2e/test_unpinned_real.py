@@ -149,3 +149,53 @@ def test_a_conversation_only_a_file_holds_pins_requests_again_and_is_restored(tm
             f"{timings['cache_n']} of the {held} its file holds, prompt_n {timings['prompt_n']}")
     assert record.route == "restore" and record.restored and slot != "0:-1", (record.route, slot)
     assert timings["cache_n"] >= held - 1, (timings, held)
+
+
+def test_a_cache_a_restore_took_from_the_ram_is_put_back_before_requests_go_unpinned(tmp_path: Any) -> None:
+    """A conversation saved while requests were pinned, then gone from the server's slots before the server copied it
+    to its RAM (what a restore over its slot does; lpcache remembers it as lost, `server_cache.gone`). As requests go
+    unpinned, its file is restored into an idle slot, and its return, sent unpinned (a short turn: not worth a switch
+    back to pinned), finds its whole history there: the real server picks that slot by its common prefix."""
+    rng = random.Random(5)
+    story = [{"role": "system", "content": "You are a storyteller. Short sentences, please."},
+             {"role": "user", "content": chats.text(rng, 300)}]
+    with behind_lpcache(tmp_path, None, big_threshold_words=None) as proxy:
+        mode = proxy.pipeline.unpinned
+        text, timings, _ = streamed(proxy.url, story)
+        proxy.settle()
+        assert proxy.records[-1].saved, "a prompt on a RAM never seen is saved"
+        held = timings["cache_n"] + timings["prompt_n"]
+        story.append({"role": "assistant", "content": text})
+        for slot in (0, 1):   # gone from the server: neither slot holds it (nothing launched since: not in its RAM)
+            r = httpx.post(f"{proxy.pipeline.backends[0].url}/slots/{slot}?action=erase", timeout=60)
+            assert r.status_code == 200, r.text
+
+        async def lost_and_trusted() -> None:
+            pipeline = proxy.pipeline
+            content = next(s.content for s in pipeline.pool.slots if s.content is not None)
+            assert content is not None and content.saved
+            pipeline.unpinned.server_caches.gone(0, content.chain, content.key)
+            for slot in pipeline.pool.slots:
+                slot.content = None
+            for _ in range(RAM_TRUST):   # as after enough probes: this small model's chats all fit in its RAM
+                pipeline.backends[0].ram.seen(True, time.monotonic())
+        proxy.run(lost_and_trusted())
+        others: list[list[dict[str, Any]]] = [[], []]
+        turns = 0
+        while mode.state[0] != "unpinned":
+            assert turns < 12, mode.state[0]
+            for history in others:
+                history.append({"role": "user", "content": chats.text(rng, rng.randint(10, 30))})
+                history.append({"role": "assistant", "content": streamed(proxy.url, history)[0]})
+            proxy.settle()
+            turns += 1
+        story.append({"role": "user", "content": "And then? One sentence."})
+        _, timings, slot = streamed(proxy.url, story)
+        proxy.settle()
+        record = proxy.records[-1]
+        lost = proxy.pipeline.unpinned.server_caches.lost(0)
+    figures(f"a cache a restore took from the RAM, back while unpinned: route {record.route}, slot {slot}, cache_n "
+            f"{timings['cache_n']} of the {held} its file holds, prompt_n {timings['prompt_n']}")
+    assert record.route == "unpinned" and slot == "0:-1", (record.route, slot)
+    assert timings["cache_n"] >= held - 1, (timings, held)
+    assert lost == []
