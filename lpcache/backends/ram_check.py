@@ -58,7 +58,7 @@ async def ram_cache_found(client: LlamaClient, slot: int) -> bool | None:
     return found
 
 
-NUDGE = "lpcache."   # a prompt of two or three tokens, sharing nothing with a chat's template
+NUDGE = "OK."   # a prompt of two or three tokens, sharing nothing with a chat's template nor with PROMPTS
 
 
 async def copy_to_ram(client: LlamaClient, slot: int) -> bool:

@@ -13,11 +13,13 @@ hit. Bounded: the oldest digests are forgotten.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 LIMIT = 200_000   # digests remembered (about 30 MB)
 LOST_KEPT = 16    # caches a restore took out of a server's RAM reach, remembered per server (`lost`), newest kept
+LOST_SECONDS = 600.0   # ... for this long: a conversation quiet longer is not worth a restore at a switch
 RAM_WINDOW = 32              # the last requests left to a server's RAM cache, whose outcomes are weighed
 RAM_RETRY_SECONDS = 600.0    # outcomes older than this are forgotten: the server may have been restarted otherwise
 RAM_HIT_SHARE = 0.5          # cache_n at least this share of what the RAM should hold: it served the prompt
@@ -31,7 +33,8 @@ class ServerCaches:
     def __init__(self, limit: int = LIMIT) -> None:
         self.limit = limit
         self._where: OrderedDict[int, int] = OrderedDict()   # chain digest -> backend index
-        self._lost: dict[int, OrderedDict[str, tuple[int, ...]]] = {}   # backend -> file name -> chain
+        # backend -> file name -> (chain, when it was lost, monotonic)
+        self._lost: dict[int, OrderedDict[str, tuple[tuple[int, ...], float]]] = {}
 
     def __len__(self) -> int:
         return len(self._where)
@@ -45,7 +48,7 @@ class ServerCaches:
         while len(where) > self.limit:
             where.popitem(last=False)
 
-    def gone(self, backend: int, chain: Sequence[int], key: str | None = None) -> None:
+    def gone(self, backend: int, chain: Sequence[int], key: str | None = None, now: float | None = None) -> None:
         """A restore replaced what a slot of `backend` held without the server copying it to RAM; `key`: the file
         that holds it (saved first, `ram_reach.keeps`), remembered as lost to that server's RAM (`lost`)."""
         for digest in chain:
@@ -53,27 +56,32 @@ class ServerCaches:
                 del self._where[digest]
         if key is not None and chain:
             lost = self._lost.setdefault(backend, OrderedDict())
-            lost[key] = tuple(chain)
+            lost[key] = (tuple(chain), time.monotonic() if now is None else now)
             lost.move_to_end(key)
             while len(lost) > LOST_KEPT:
                 lost.popitem(last=False)
 
-    def lost(self, backend: int) -> list[tuple[str, tuple[int, ...]]]:
-        """(file, chain) of the caches a restore took out of `backend`'s RAM reach that no slot of it has held since,
-        newest first: a return to one of them, sent unpinned, would compute it again."""
+    def lost(self, backend: int, now: float | None = None) -> list[tuple[str, tuple[int, ...]]]:
+        """(file, chain) of the caches a restore took out of `backend`'s RAM reach in the last LOST_SECONDS that no
+        slot of it has held since, newest first: a return to one of them, sent unpinned, would compute it again."""
         lost = self._lost.get(backend)
         if not lost:
             return []
-        for key, chain in list(lost.items()):
-            if self.find(chain) == (backend, len(chain)):
-                del lost[key]   # held again since (its conversation came back, or it was put back)
-        return [(key, chain) for key, chain in reversed(lost.items())]
+        now = time.monotonic() if now is None else now
+        for key, (chain, at) in list(lost.items()):
+            if now - at > LOST_SECONDS or self.find(chain) == (backend, len(chain)):
+                del lost[key]   # old, or held again since (its conversation came back, or it was put back)
+        return [(key, chain) for key, (chain, _) in reversed(lost.items())]
 
-    def found_again(self, backend: int, key: str, chain: Sequence[int]) -> None:
-        """A lost cache was put back where the server's RAM gets it (`flow.unpinned`)."""
+    def drop(self, backend: int, key: str) -> None:
+        """A lost cache that cannot be put back (its file is gone, or its restore failed): forgotten."""
         lost = self._lost.get(backend)
         if lost is not None:
             lost.pop(key, None)
+
+    def found_again(self, backend: int, key: str, chain: Sequence[int]) -> None:
+        """A lost cache was put back where the server's RAM gets it (`flow.unpinned`)."""
+        self.drop(backend, key)
         self.held(backend, chain)
 
     def forget(self, backend: int) -> None:

@@ -83,12 +83,14 @@ class RamReach:
         recent = backend.ram.recent(time.monotonic())
         return (not recent or any(recent)) and backend.launched_at > slot.last_used > 0.0
 
-    def restored_over(self, backend: Backend, previous: Content | None, idle_copied: bool) -> None:
+    def restored_over(self, backend: Backend, previous: Content | None, idle_copied: bool,
+                      saved: bool = False) -> None:
         """A restore replaced `previous` in a slot without the server copying it to its RAM: unless the server had
-        copied it there as an idle slot already (`holds`, read before the restore), it is no longer there (and,
-        when a file holds it, remembered as lost: `flow.unpinned` puts it back before requests go unpinned)."""
+        copied it there as an idle slot already (`holds`, read before the restore), it is no longer there; when its
+        file holds it (`previous.saved`, or `saved`: written just before the restore), it is remembered as lost, and
+        `flow.unpinned` puts it back before requests go unpinned."""
         if previous is not None and not idle_copied:
-            on_disk = previous.saved or previous.keep   # (`keeps` saved it just before the restore)
+            on_disk = previous.saved or saved
             self.server_caches.gone(backend.index, previous.chain, previous.key if on_disk else None)
 
     def keeps(self, backend: Backend, slot: Slot, held: Content) -> bool:

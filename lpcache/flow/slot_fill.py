@@ -480,7 +480,7 @@ class SlotFiller:
         slot.content = result.held
         restored = result.restored
         if restored is not None:
-            self.ram.restored_over(backend, previous, idle_copied)
+            self.ram.restored_over(backend, previous, idle_copied, saved=result.saved is not None and result.saved.ok)
             self.note_restore(backend, prompt.model, restored, record)
             record.restore_exact = True
             # a copy an earlier turn left in this server's folder, older than the one saved since on another

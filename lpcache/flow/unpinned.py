@@ -237,7 +237,7 @@ class UnpinnedMode:
             if b in self.putting_back:
                 return
             self._cancel_timer(b)
-            lost = self.server_caches.lost(b)[:self.backends[b].n_slots]
+            lost = self.server_caches.lost(b)
             if lost:
                 self.putting_back.add(b)   # still closed to hand-outs meanwhile
                 self.spawn(self._put_back(self.backends[b], lost))
@@ -257,31 +257,45 @@ class UnpinnedMode:
 
     async def _put_back(self, backend: Backend, lost: list[tuple[str, tuple[int, ...]]]) -> None:
         """Before requests go unpinned: the caches a pinned request's restore replaced before the server had copied
-        them to its RAM (saved to files first, `ram_reach.keeps`) are restored into the idle slots, newest first,
-        one a slot, where the server's RAM gets them (a request that replaces one copies it there first; any request
-        that starts copies the idle ones). Unpinned, a return to one of them would otherwise compute it all again:
-        a file holds it, the server does not. A slot whose cache the server has not copied yet is copied first, by
-        a one-token request of a tiny prompt pinned to it (`ram_check.copy_to_ram`). Whatever fails, requests go
-        unpinned all the same."""
+        them to its RAM (saved to files first, `ram_reach.keeps`) in the last 10 minutes are restored into the idle
+        slots, newest first, one a slot, where the server's RAM gets them (a request that replaces one copies it
+        there first; any request that starts copies the idle ones). Unpinned, a return to one of them would
+        otherwise compute it all again: a file holds it, the server does not. Each target slot whose cache the
+        server has not copied yet is copied first, by a one-token request of a tiny prompt pinned to it
+        (`ram_check.copy_to_ram`), once the server says the slot is idle. At most SWITCH_SECONDS with hand-outs
+        closed; whatever fails, requests go unpinned all the same (a cache whose file is gone or whose restore
+        failed is forgotten)."""
         b = backend.index
         put = 0
         try:
-            slots = sorted((s for s in self.pool.slots if s.backend == b),
-                           key=lambda s: (not RamReach.holds(backend, s), s.last_used))
-            present = []
-            for key, chain in lost:
+            async with asyncio.timeout(SWITCH_SECONDS):
+                slots = sorted((s for s in self.pool.slots if s.backend == b),
+                               key=lambda s: (not RamReach.holds(backend, s), s.last_used))
                 folder = slots[0].slot_save_path if slots else None
-                if folder is None or await asyncio.to_thread(os.path.isfile, os.path.join(folder, key)):
-                    present.append((key, chain))
-            targets = slots[:len(present)]
-            if any(s.content is not None and not RamReach.holds(backend, s) for s in targets):
-                if not await copy_to_ram(backend.client, targets[0].id):
-                    return
-            for slot, (key, chain) in zip(targets, present, strict=False):
-                result = await swap.restore_file(backend.client, slot.id, key)
-                if result.ok:
-                    self.server_caches.found_again(b, key, chain)
-                    put += 1
+                present: list[tuple[str, tuple[int, ...]]] = []
+                for key, chain in lost:
+                    if len(present) == len(slots):
+                        break
+                    if folder is None or await asyncio.to_thread(os.path.isfile, os.path.join(folder, key)):
+                        present.append((key, chain))
+                    else:
+                        self.server_caches.drop(b, key)
+                targets = slots[:len(present)]
+                for slot in targets:
+                    if slot.content is not None and not RamReach.holds(backend, slot):
+                        if not await swap.wait_idle(backend.client, slot.id, limit=SWITCH_SECONDS) or \
+                                not await copy_to_ram(backend.client, slot.id):
+                            return   # never replace a cache the server may not have copied
+                for slot, (key, chain) in zip(targets, present, strict=False):
+                    result = await swap.restore_file(backend.client, slot.id, key)
+                    if result.ok:
+                        self.server_caches.found_again(b, key, chain)
+                        put += 1
+                    else:
+                        self.server_caches.drop(b, key)
+        except TimeoutError:
+            log.warning("ram_put_back_slow url=%s: putting lost caches back took more than %.0f s; requests go "
+                        "unpinned without the rest", backend.url, SWITCH_SECONDS)
         except Exception as e:   # never left closed
             log.warning("ram_put_back_failed url=%s: %s", backend.url, e)
         finally:

@@ -161,6 +161,12 @@ def test_a_cache_a_restore_took_from_the_ram_is_put_back_before_requests_go_unpi
              {"role": "user", "content": chats.text(rng, 300)}]
     with behind_lpcache(tmp_path, None, big_threshold_words=None) as proxy:
         mode = proxy.pipeline.unpinned
+        ram = proxy.pipeline.backends[0].ram
+        deadline = time.monotonic() + 120
+        while ram.present is None:   # the RAM check done first: its requests would copy the story to the RAM
+            assert time.monotonic() < deadline, "the RAM check did not answer"
+            time.sleep(0.05)
+        assert ram.present is True
         text, timings, _ = streamed(proxy.url, story)
         proxy.settle()
         assert proxy.records[-1].saved, "a prompt on a RAM never seen is saved"

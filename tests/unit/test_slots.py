@@ -617,7 +617,7 @@ def test_server_caches_remember_the_last_holder_of_the_longest_prefix() -> None:
 
 
 def test_caches_a_restore_took_from_the_ram_are_remembered_until_held_again() -> None:
-    from lpcache.cache.server_cache import LOST_KEPT, ServerCaches
+    from lpcache.cache.server_cache import LOST_KEPT, LOST_SECONDS, ServerCaches
 
     caches = ServerCaches()
     a, b, c = prompt(text(6)), prompt(text(9, tag="b")), prompt(text(4, tag="c"))
@@ -632,6 +632,11 @@ def test_caches_a_restore_took_from_the_ram_are_remembered_until_held_again() ->
     assert [k for k, _ in caches.lost(0)] == ["b.bin"]
     caches.found_again(0, "b.bin", b.exact)
     assert caches.lost(0) == [] and caches.find(b.exact) == (0, 9)
+    caches.gone(0, c.exact, "c.bin", now=100.0)
+    caches.gone(0, b.exact, "b.bin", now=100.0)
+    caches.drop(0, "b.bin")                           # its file is gone: not put back
+    assert [k for k, _ in caches.lost(0, now=100.0 + LOST_SECONDS)] == ["c.bin"]
+    assert caches.lost(0, now=101.0 + LOST_SECONDS) == []   # quiet too long: not worth a restore at a switch
     for i in range(LOST_KEPT + 3):
         caches.gone(0, prompt(text(3, tag=f"n{i}")).exact, f"n{i}.bin")
     assert len(caches.lost(0)) == LOST_KEPT and caches.lost(0)[0][0] == f"n{LOST_KEPT + 2}.bin"   # bounded
