@@ -42,6 +42,7 @@ from lpcache.cache.meta_files import (
     _unlink_regular,
     check_meta_dir,
     entry_from_document,
+    file_in,
     inside,
     meta_document,
     read_regular,
@@ -379,11 +380,7 @@ class MetaIndex(MetaFiles, IndexLimits):
 
     def file_present(self, entry: MetaEntry, slot_save_path: str | None) -> bool | None:
         """Whether the entry's KV file is in the folder a server reads (None: the folder is not visible here)."""
-        folder = slot_save_path or entry.slot_save_path
-        if not folder or not os.path.isdir(folder):
-            return None
-        path = inside(folder, entry.key)
-        return path is not None and os.path.isfile(path)
+        return file_in(slot_save_path or entry.slot_save_path, entry.key)
 
     async def sweep_orphans(self, grace: float, before: float = math.inf) -> int:
         """Delete the files in the slot-save folders that no entry names, that nothing wrote for `grace` seconds nor

@@ -125,6 +125,15 @@ def inside(folder: str, name: str) -> str | None:
     return os.path.join(folder, name)
 
 
+def file_in(folder: str | None, name: str) -> bool | None:
+    """Whether the KV file `name` is in a slot-save folder; None when that folder is not visible here (lpcache on
+    another host than the server): then the restore is tried, and a miss is cheap."""
+    if not folder or not os.path.isdir(folder):
+        return None
+    path = inside(folder, name)
+    return path is not None and os.path.isfile(path)
+
+
 def check_meta_dir(meta_dir: str) -> None:
     """Create META_DIR when missing; raises ConfigError (one clear line, exit status 2) when it cannot be created,
     is not a folder, or cannot be listed and written."""

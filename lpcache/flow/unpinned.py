@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
@@ -40,6 +39,7 @@ from lpcache.backends.ram_check import copy_to_ram
 from lpcache.backends.router_models import RouterModels
 from lpcache.backends.slot_pool import SlotPool
 from lpcache.backends.slots import Content
+from lpcache.cache.meta_files import file_in
 from lpcache.cache.prefix import Prompt
 from lpcache.cache.reuse import REUSE_MIN_TOKENS
 from lpcache.cache.server_cache import RAM_HIT_SHARE, RAM_TRUST
@@ -276,7 +276,7 @@ class UnpinnedMode:
                 for key, chain in lost:
                     if len(present) == len(slots):
                         break
-                    if folder is None or await asyncio.to_thread(os.path.isfile, os.path.join(folder, key)):
+                    if await asyncio.to_thread(file_in, folder, key) is not False:
                         present.append((key, chain))
                     else:
                         self.server_caches.drop(b, key)
