@@ -104,6 +104,20 @@ def test_requests_go_unpinned_while_the_ram_serves_and_pinned_again_after_a_miss
     assert sum(r["prompt_n"] for r in rows) <= 0.35 * sum(r["prompt_n"] + r["cache_n"] for r in rows)
 
 
+def until_unpinned(proxy: Any, rng: random.Random) -> None:
+    """Two other short conversations, a turn of each at a time, until the backend's requests go unpinned."""
+    mode = proxy.pipeline.unpinned
+    others: list[list[dict[str, Any]]] = [[], []]
+    turns = 0
+    while mode.state[0] != "unpinned":
+        assert turns < 12, mode.state[0]
+        for history in others:
+            history.append({"role": "user", "content": chats.text(rng, rng.randint(10, 30))})
+            history.append({"role": "assistant", "content": streamed(proxy.url, history)[0]})
+        proxy.settle()
+        turns += 1
+
+
 def test_a_conversation_only_a_file_holds_pins_requests_again_and_is_restored(tmp_path: Any) -> None:
     """A long conversation saved while requests were pinned, then gone from the server (what a restore over its slot
     does: no copy to the RAM): once requests go unpinned, its return is worth a switch back to pinned (its prefill,
@@ -112,7 +126,6 @@ def test_a_conversation_only_a_file_holds_pins_requests_again_and_is_restored(tm
     story = [{"role": "system", "content": "You are a storyteller. Short sentences, please."},
              {"role": "user", "content": chats.text(rng, 900)}]
     with behind_lpcache(tmp_path, None, big_threshold_words=None) as proxy:
-        mode = proxy.pipeline.unpinned
         text, timings, _ = streamed(proxy.url, story)
         proxy.settle()
         assert proxy.records[-1].saved, "a long prompt on a RAM never seen is saved"
@@ -126,15 +139,7 @@ def test_a_conversation_only_a_file_holds_pins_requests_again_and_is_restored(tm
             for _ in range(RAM_TRUST):
                 proxy.pipeline.backends[0].ram.seen(True, time.monotonic())
         proxy.run(trusted())
-        others: list[list[dict[str, Any]]] = [[], []]
-        turns = 0
-        while mode.state[0] != "unpinned":
-            assert turns < 12, mode.state[0]
-            for history in others:
-                history.append({"role": "user", "content": chats.text(rng, rng.randint(10, 30))})
-                history.append({"role": "assistant", "content": streamed(proxy.url, history)[0]})
-            proxy.settle()
-            turns += 1
+        until_unpinned(proxy, rng)
 
         async def forget_and_slow() -> None:
             # lpcache's own view of a restore over the slot (`server_cache.gone`); a large model's prefill
@@ -160,7 +165,6 @@ def test_a_cache_a_restore_took_from_the_ram_is_put_back_before_requests_go_unpi
     story = [{"role": "system", "content": "You are a storyteller. Short sentences, please."},
              {"role": "user", "content": chats.text(rng, 300)}]
     with behind_lpcache(tmp_path, None, big_threshold_words=None) as proxy:
-        mode = proxy.pipeline.unpinned
         ram = proxy.pipeline.backends[0].ram
         deadline = time.monotonic() + 120
         while ram.present is None:   # the RAM check done first: its requests would copy the story to the RAM
@@ -186,15 +190,7 @@ def test_a_cache_a_restore_took_from_the_ram_is_put_back_before_requests_go_unpi
             for _ in range(RAM_TRUST):   # as after enough probes: this small model's chats all fit in its RAM
                 pipeline.backends[0].ram.seen(True, time.monotonic())
         proxy.run(lost_and_trusted())
-        others: list[list[dict[str, Any]]] = [[], []]
-        turns = 0
-        while mode.state[0] != "unpinned":
-            assert turns < 12, mode.state[0]
-            for history in others:
-                history.append({"role": "user", "content": chats.text(rng, rng.randint(10, 30))})
-                history.append({"role": "assistant", "content": streamed(proxy.url, history)[0]})
-            proxy.settle()
-            turns += 1
+        until_unpinned(proxy, rng)
         story.append({"role": "user", "content": "And then? One sentence."})
         _, timings, slot = streamed(proxy.url, story)
         proxy.settle()

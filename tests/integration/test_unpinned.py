@@ -71,6 +71,17 @@ def go_unpinned(proxy: Any, histories: list[list[dict[str, Any]]]) -> int:
     return turn
 
 
+def lighthouse_story(proxy: Any) -> list[dict[str, Any]]:
+    """A long French story's first turn, session "phare", its answer fed back: the history to continue."""
+    story = [{"role": "system", "content": "Tu es un conteur. Réponds en français, avec des phrases courtes."},
+             {"role": "user", "content": "Raconte l'histoire d'un phare 🗼 au bord de la mer, " * 80}]
+    r = proxy.chat(story, {"X-Session-ID": "phare"}, max_tokens=6)
+    assert r.status_code == 200, r.text
+    story.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
+    proxy.settle()
+    return story
+
+
 def streamed_at_once(proxy: Any, bodies: list[dict[str, Any]]) -> list[tuple[int, str]]:
     results: list[tuple[int, str]] = [(0, "")] * len(bodies)
 
@@ -235,12 +246,7 @@ def test_a_save_made_only_to_keep_the_ram_s_reach_is_marked_as_such(start_backen
     A save of a cache worth its file is not marked."""
     backend = start_backend(slots=1, prefill_ms_per_token=0.2, kv_bytes_per_token=23_040)
     proxy = start_proxy(backend, big_threshold_words=None)
-    story = [{"role": "system", "content": "Tu es un conteur. Réponds en français, avec des phrases courtes."},
-             {"role": "user", "content": "Raconte l'histoire d'un phare 🗼 au bord de la mer, " * 80}]
-    r = proxy.chat(story, {"X-Session-ID": "phare"}, max_tokens=6)
-    assert r.status_code == 200, r.text
-    story.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
-    proxy.settle()
+    story = lighthouse_story(proxy)
     assert proxy.records[-1].saved and not proxy.records[-1].saved_for_ram   # a RAM never seen: worth its file
     r = proxy.chat(user("Hola, ¿qué tal? Una frase, por favor."), {"X-Session-ID": "autre"}, max_tokens=6)
     assert r.status_code == 200, r.text
@@ -299,12 +305,7 @@ def test_caches_a_restore_took_from_the_ram_are_put_back_before_requests_go_unpi
     file is restored into an idle slot, where the server picks it for that return (the longest common prefix)."""
     backend = start_backend(slots=2, prefill_ms_per_token=0.2, kv_bytes_per_token=23_040)
     proxy = start_proxy(backend, big_threshold_words=None)
-    story = [{"role": "system", "content": "Tu es un conteur. Réponds en français, avec des phrases courtes."},
-             {"role": "user", "content": "Raconte l'histoire d'un phare 🗼 au bord de la mer, " * 80}]
-    r = proxy.chat(story, {"X-Session-ID": "phare"}, max_tokens=6)
-    assert r.status_code == 200, r.text
-    story.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
-    proxy.settle()
+    story = lighthouse_story(proxy)
     assert proxy.records[-1].saved   # a RAM never seen: worth its file
 
     def lost_then_unpinned() -> tuple[int, int]:
