@@ -12,7 +12,8 @@ then loads A from RAM (its `timings.cache_n` is most of its prompt). Without a R
 `--slot-prompt-similarity 0`, under which a pinned request never looks there) the slot holds B, which shares nothing
 with A: `cache_n` is 0, or 1 for a shared BOS token. The prompts are a few tokens of text unlike anything a client sends
 (A and B share nothing, not even a first token), and one token is generated; the slot is left holding A. Short,
-because the server computes them and counts them in its own figures: 13 tokens in all on SmolLM2 (they were 88).
+because the server computes them and counts them in its own figures: 7 tokens in all on SmolLM2 (they were 88, then
+13).
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from lpcache.errors import ProxyError
 log = logging.getLogger("lpcache.ram_check")
 
 PROMPTS = (
-    "lpcache RAM check, amber falcon.",
-    "Second text.",
+    "Amber falcon.",   # 4 tokens on SmolLM2, 3 on the stand-in; with AGAIN 6 and 5, over the 4 a reading needs
+    "Yes",             # 1 token, sharing nothing with A (with a BOS token, the third still shares too little with it
+                       # to keep its slot: `f_keep` < 0.5, and the server looks in its RAM)
 )
 AGAIN = " Again."   # the third prompt extends A, as a real return does (a recurrent or hybrid model reuses a cache
                     # only for a prompt that goes beyond it)
@@ -58,7 +60,7 @@ async def ram_cache_found(client: LlamaClient, slot: int) -> bool | None:
     return found
 
 
-NUDGE = "OK."   # a prompt of two or three tokens, sharing nothing with a chat's template nor with PROMPTS
+NUDGE = "Yes"   # a prompt of one token (two with a BOS), sharing nothing with a chat's template nor with A
 
 
 async def copy_to_ram(client: LlamaClient, slot: int) -> bool:
