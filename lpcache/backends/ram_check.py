@@ -29,13 +29,14 @@ from lpcache.errors import ProxyError
 log = logging.getLogger("lpcache.ram_check")
 
 PROMPTS = (
-    "Amber falcon.",   # 4 tokens on SmolLM2, 3 on the stand-in; with AGAIN 6 and 5, over the 4 a reading needs
+    "Amber falcon.",   # 4 tokens on SmolLM2, 3 on the stand-in, at least 2 on any tokenizer (MIN_HIT)
     "Yes",             # 1 token, sharing nothing with A (with a BOS token, the third still shares too little with it
                        # to keep its slot: `f_keep` < 0.5, and the server looks in its RAM)
 )
 AGAIN = " Again."   # the third prompt extends A, as a real return does (a recurrent or hybrid model reuses a cache
                     # only for a prompt that goes beyond it)
 HIT_SHARE = 0.5   # the third request took at least this share of its prompt from the server's cache: a RAM hit
+MIN_HIT = 2       # ... and more tokens than a BOS token both prompts may start with (whatever the tokenizer)
 
 
 async def ram_cache_found(client: LlamaClient, slot: int) -> bool | None:
@@ -53,7 +54,7 @@ async def ram_cache_found(client: LlamaClient, slot: int) -> bool | None:
     if opened is None or again is None:
         return None
     cached, total = again
-    found = total > 4 and cached >= HIT_SHARE * total
+    found = cached >= MIN_HIT and cached >= HIT_SHARE * total
     log.info("ram_check url=%s slot=%d cache_n=%d of %d prompt tokens: %s", client.url, slot, cached, total,
              "llama-server's RAM prompt cache serves pinned requests" if found else
              "no RAM prompt cache serves pinned requests (--cache-ram 0, or --slot-prompt-similarity 0)")
