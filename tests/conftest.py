@@ -80,6 +80,11 @@ class Proxy:
         self.server.stop()
 
 
+# What a test that takes a server's RAM cache as seen serving its returns says it served: the whole context of a
+# slot, so that the bound on the RAM's bet (`RamWatch.bets`) covers every prompt of the test.
+RAM_SERVED_TOKENS = 8192.0
+
+
 def words(seed: int, n: int) -> str:
     """n distinct-looking words; different seeds share no block."""
     return " ".join(f"w{seed}x{i}" for i in range(n))

@@ -27,6 +27,8 @@ RAM_MISS_PRIOR = (1, 1)      # Beta prior of a server's RAM miss rate: (misses, 
 PROBE_PAYBACK = 20.0         # a RAM not seen lately is tried once restores spared 20 times the prefill a miss costs
                              # (then on every prompt while it serves them; after a miss, once the miss is forgotten)
 RAM_TRUST = 8                # outcomes seen before the RAM's miss rate is trusted over "every return needs a file"
+RAM_BET_GROWTH = 2.0         # a RAM that missed nothing lately is bet on for prompts up to twice the longest it served
+RAM_BET_SECONDS = 1.0        # ... or whose miss would cost at most this much prefill (`RamWatch.bets`)
 
 
 class ServerCaches:
@@ -112,22 +114,27 @@ class RamWatch:
     RAM_RETRY_SECONDS are forgotten (the server may have been restarted since). The RAM of llama-server's default
     `--cache-ram` holds a few long conversations of a real model: it serves some, and misses the others; a small
     model's fit: it serves all. Where the server was asked whether it has a RAM cache at all (`present`,
-    `backends.ram_check`), that answer replaces the even bet: a RAM that exists is tried at once, one that does not
-    is never counted on."""
+    `backends.ram_check`), that answer replaces the even bet: a RAM that exists is tried at once (on prompts no
+    longer than it has shown it keeps: `bets`), one that does not is never counted on."""
 
     def __init__(self) -> None:
         self.outcomes: deque[tuple[float, bool]] = deque(maxlen=RAM_WINDOW)
+        self.hit_sizes: deque[tuple[float, float]] = deque(maxlen=RAM_WINDOW)   # (when, tokens) of its hits
         self.spared = 0.0   # seconds of prefill restores from files spared since the last probe
         self.probes = 0
+        self.first_tried = False   # the one return risked, whatever its size, on a RAM that said it exists (`probe`)
         # what the server said when asked (`backends.ram_check`): True, a RAM cache serves pinned requests (relied
-        # on from the first return it likely holds, until it misses one); False, none does (never probed nor relied
-        # on); None, not asked yet, or no clear answer (learnt from the returns alone)
+        # on from the first return it likely holds, for prompts of a size it has shown it keeps: `bets`, until it
+        # misses one); False, none does (never probed nor relied on); None, not asked yet, or no clear answer
+        # (learnt from the returns alone)
         self.present: bool | None = None
         self.generation = 0   # bumped at each restart: a check begun before one does not speak for the new server
 
     def forget(self) -> None:
         """The server was restarted: its RAM is empty, and whether it has one is asked again."""
         self.outcomes.clear()
+        self.hit_sizes.clear()
+        self.first_tried = False
         self.spared = 0.0
         self.present = None
         self.generation += 1
@@ -137,8 +144,11 @@ class RamWatch:
         if generation == self.generation and self.present is None and not self.outcomes:
             self.present = present
 
-    def seen(self, hit: bool, now: float) -> None:
+    def seen(self, hit: bool, now: float, tokens: float) -> None:
+        """A prompt left to the RAM came back: served (`hit`, `tokens` taken from the cache) or not."""
         self.outcomes.append((now, hit))
+        if hit:
+            self.hit_sizes.append((now, tokens))
         if hit and self.present is False:
             self.present = None   # it served one after all: the check was wrong, and the returns decide
             self.generation += 1  # (and a check still under way does not say otherwise)
@@ -151,12 +161,30 @@ class RamWatch:
     def recent(self, now: float) -> list[bool]:
         return [hit for t, hit in self.outcomes if now - t <= RAM_RETRY_SECONDS]
 
-    def rely(self, prefill_s: float | None, restore_s: float | None, now: float) -> bool:
+    def bets(self, tokens: float | None, prefill_s: float | None, now: float) -> bool:
+        """Whether a prompt of `tokens` (a miss costing `prefill_s`) may be left to a RAM on the strength of what it
+        has not missed: no more than RAM_BET_GROWTH times the longest prompt it served lately, or a miss costing at
+        most RAM_BET_SECONDS of prefill. Nothing says how much a RAM holds (llama-server's /props does not tell its
+        `--cache-ram`): one of a fifth of the working set serves the first, short returns and has dropped a long
+        one long before it comes back. Bet on without a bound from its first hit, it left a 1,312-token return to
+        be computed again (docs/benchmarks.md); bounded, that return is restored from its file, and a RAM that
+        holds everything is bet on for longer prompts with each one it serves (conversations grow turn by turn).
+        The bound is one entry's size, not the RAM's: it guards the first returns, before a miss is seen; after
+        that the misses are weighed (`rely`). A RAM that said it exists and has given nothing back yet is tried once
+        whatever the size (`probe`)."""
+        if tokens is None or (prefill_s is not None and prefill_s <= RAM_BET_SECONDS):
+            return True
+        longest = max((n for t, n in self.hit_sizes if now - t <= RAM_RETRY_SECONDS), default=0.0)
+        return tokens <= RAM_BET_GROWTH * longest
+
+    def rely(self, prefill_s: float | None, restore_s: float | None, now: float, tokens: float | None = None) -> bool:
         """Whether to leave a prompt to the RAM rather than restore it from a file: a miss costs `prefill_s`, the
-        restore `restore_s` (None: unknown)."""
+        restore `restore_s` (None: unknown); `tokens`: what the RAM should hold of it (None: not weighed by size)."""
         if self.present is False:
             return False
         recent = self.recent(now)
+        if all(recent) and (self.present or recent) and not self.bets(tokens, prefill_s, now):
+            return False   # longer than it has shown it keeps: its few hits (or the check) say nothing of it
         if self.present and all(recent):
             return True   # it said it has one, and has missed nothing lately: tried on every return it likely holds
         if prefill_s is None or restore_s is None:
@@ -164,7 +192,7 @@ class RamWatch:
         misses = (recent.count(False) + RAM_MISS_PRIOR[0]) / (len(recent) + sum(RAM_MISS_PRIOR))
         return misses * prefill_s < restore_s
 
-    def probe(self, prefill_s: float | None, now: float) -> bool:
+    def probe(self, prefill_s: float | None, now: float, tokens: float | None = None) -> bool:
         """Whether to leave a prompt `rely` would restore to the RAM all the same, to find out whether it serves.
         Without probes a RAM never tried stays at a miss rate of one half, which on a CPU never beats a restore: a
         server whose default RAM cache holds every conversation would see each return restored from a file saved
@@ -180,8 +208,14 @@ class RamWatch:
         if prefill_s is None or self.present is False:
             return False
         recent = self.recent(now)
-        if not all(recent):
+        if not all(recent) or (recent and not self.bets(tokens, prefill_s, now)):
             return False
+        if not recent and self.present and not self.first_tried:
+            # it said it has one and nothing has come back yet: one return is risked whatever its size (a
+            # workload of long prompts only would otherwise never learn what it keeps)
+            self.first_tried = True
+            self.probes += 1
+            return True
         if not recent and self.spared < PROBE_PAYBACK * prefill_s:
             return False
         self.spared = 0.0

@@ -61,11 +61,11 @@ def judge(choice: Choice, backend: Backend, prompt: Prompt, record: RequestRecor
             log.info("backend_ram_cache url=%s cache_n=%d: llama-server's RAM prompt cache served a prompt no "
                      "slot held; what it likely holds is left to it rather than restored from disk while it "
                      "does", backend.url, record.cache_n)
-        backend.ram.seen(hit, now)
+        backend.ram.seen(hit, now, record.cache_n)
         log.debug("ram_outcome slot=%s hit=%s cache_n=%s expected=%.0f slot_shared=%s", choice.slot.name,
                   str(hit).lower(), record.cache_n, record.ram_expected, shared)
     elif served:
-        backend.ram.seen(True, now)
+        backend.ram.seen(True, now, record.cache_n)
     if record.cache_hit and choice.resident:
         expected = speeds.tokens_of(choice.resident)
         if expected >= REUSE_MIN_TOKENS and record.cache_n < REUSE_SHORT * expected:

@@ -58,11 +58,11 @@ class RamReach:
         else:
             restore = None   # one side unknown: nothing to weigh
         now = time.monotonic()
-        if backend.ram.rely(prefill, restore, now):
+        if backend.ram.rely(prefill, restore, now, tokens):
             return True
-        if restore is None and rest and backend.ram.rely(prefill, rest, now):
+        if restore is None and rest and backend.ram.rely(prefill, rest, now, tokens):
             return True   # no restore measured yet, but the prefill of what the file lacks alone costs more
-        if probe and backend.ram.probe(prefill, now):
+        if probe and backend.ram.probe(prefill, now, tokens):
             log.info("ram_probe url=%s blocks=%d tokens=%d: left to llama-server's RAM prompt cache rather than "
                      "restored, to learn whether it serves (%d probes)", backend.url, blocks, tokens,
                      backend.ram.probes)

@@ -10,16 +10,19 @@ RAM cache holding the working set: docs/benchmarks.md).
 
 How: per backend, five states. `pinned` (lpcache's usual way); `to_unpinned`: once the RAM has served the last
 RAM_TRUST prompts left to it and nothing was saved for the last QUIET_REQUESTS requests there (but what a slot held,
-saved only because a restore would take it out of the RAM's reach: `ram_reach.keeps`), no slot of the
-backend is handed out until the pinned requests under way have ended; `unpinned`: each request takes a slot of the
-pool as before (the pool's line, classes and fair shares still decide who goes next) but is sent without `id_slot`,
-and gives its slot back at its first token, while the server still generates: the next one is then queued inside
-the server. `to_pinned`: when a prompt left to the server comes back short (a miss: files would spare something
-again), no slot is handed out until every unpinned request has ended, and (`draining`) until the server says its
-slots are idle; only then is a request pinned again, every slot's content unknown. The same switch is made ahead of
-a miss when a saved file holds much more of a prompt than the server's RAM likely does (`pins_for_file`). The two
-kinds never overlap on a backend: llama-server b11434 runs its RAM cache's load on a pinned slot even while that
-slot computes another request (`get_available_slot`, "Pinned + busy slot" in the llama-server notes).
+saved only because a restore would take it out of the RAM's reach: `ram_reach.keeps`), no slot of the backend is
+handed out until the pinned requests under way have ended; `unpinned`: each request takes a slot of the pool as
+before (the pool's line, classes and fair shares still decide who goes next) but is sent without `id_slot`, and
+gives its slot back at its first token, while the server still generates: the next one is then queued inside the
+server. `to_pinned`: when a prompt left to the server comes back short by more than RAM_BET_SECONDS of prefill, or
+such small misses add up to more within RAM_RETRY_SECONDS (a miss: files would spare something again; one short chat
+turn's entry that another chat's first prompt took from the RAM costs less than pinning does, and the server alone
+loses it the same way), no slot is handed out until every unpinned request has ended, and (`draining`) until the
+server says its slots are idle; only then is a request pinned again, every slot's content unknown. The same switch
+is made ahead of a miss when a saved file holds much more of a prompt than the server's RAM likely does
+(`pins_for_file`). The two kinds never overlap on a backend: llama-server b11434 runs its RAM cache's load on a
+pinned slot even while that slot computes another request (`get_available_slot`, "Pinned + busy slot" in the
+llama-server notes).
 
 Only where nothing else needs a slot pinned: one backend, no REDIS_URL (another replica's pins), not a router,
 BIG_THRESHOLD_WORDS=auto, and the backend's caches enabled. No save, restore or idle save is made there meanwhile.
@@ -30,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
@@ -42,7 +46,7 @@ from lpcache.backends.slots import Content
 from lpcache.cache.meta_files import file_in
 from lpcache.cache.prefix import Prompt
 from lpcache.cache.reuse import REUSE_MIN_TOKENS
-from lpcache.cache.server_cache import RAM_HIT_SHARE, RAM_TRUST
+from lpcache.cache.server_cache import RAM_BET_SECONDS, RAM_HIT_SHARE, RAM_RETRY_SECONDS, RAM_TRUST
 from lpcache.cache.speeds import SpeedBook
 from lpcache.config import Settings
 from lpcache.flow.ram_reach import RamReach
@@ -82,6 +86,7 @@ class UnpinnedMode:
         self.timers: dict[int, asyncio.TimerHandle] = {}
         self.putting_back: set[int] = set()   # backends whose lost caches are put back before they go unpinned
         self.sent = 0                   # requests sent unpinned (metric)
+        self.small_misses: dict[int, deque[tuple[float, float]]] = {}   # (when, prefill lost) not counted yet
         pool.closed, pool.unpinned, pool.released_hook = self.closed, self.unpinned, self.released
 
     # ---- what the pool and the tries ask ----
@@ -129,15 +134,35 @@ class UnpinnedMode:
             expected = speeds.tokens_of(found[1])
             if expected >= REUSE_MIN_TOKENS:
                 hit = record.cache_n >= RAM_HIT_SHARE * expected
-                backend.ram.seen(hit, now)
                 record.ram_expected = expected
+                lost = speeds.prefill.seconds(expected - record.cache_n)
+                small = not hit and lost is not None and not self._small_misses_add_up(backend.index, lost, now)
+                if not small:
+                    backend.ram.seen(hit, now, record.cache_n)
                 if not hit:
-                    log.info("unpinned_miss url=%s cache_n=%d expected=%.0f: llama-server computed again what it "
-                             "held of the prompt", backend.url, record.cache_n, expected)
+                    log.info("unpinned_miss url=%s cache_n=%d expected=%.0f lost_s=%s: llama-server computed again "
+                             "what it held of the prompt%s", backend.url, record.cache_n, expected,
+                             "?" if lost is None else f"{lost:.2f}",
+                             "; a small miss (its lost prefill and the other small ones' lately within "
+                             "RAM_BET_SECONDS): requests stay unpinned" if small else "")
         if record.cache_n is not None and record.prompt_tokens:
             self.server_caches.held(backend.index, prompt.exact)
         if not all(backend.ram.recent(now)) and now >= self.pinned_after[backend.index]:
             self._switch(backend.index, TO_PINNED)   # a miss lately, here or seen elsewhere: files may pay again
+
+    def _small_misses_add_up(self, backend: int, lost: float, now: float) -> bool:
+        """A miss that lost `lost` seconds of prefill while unpinned: whether it and the other small misses of the
+        last RAM_RETRY_SECONDS lost more than RAM_BET_SECONDS together (then it counts, and pins again). One short
+        turn's entry that another chat's first prompt took from the RAM costs less than pinning every request for
+        RAM_RETRY_SECONDS; a RAM that keeps dropping them does not."""
+        small = self.small_misses.setdefault(backend, deque())
+        small.append((now, lost))
+        while small and now - small[0][0] > RAM_RETRY_SECONDS:
+            small.popleft()
+        if sum(seconds for _, seconds in small) <= RAM_BET_SECONDS:
+            return False
+        small.clear()
+        return True
 
     def pins_for_file(self, backend: Backend, prompt: Prompt, file_blocks: int) -> bool:
         """A request handed a slot of an unpinned backend, whose prompt a saved file holds `file_blocks` of: when

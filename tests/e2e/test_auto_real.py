@@ -14,12 +14,12 @@ from typing import Any
 import httpx
 import pytest
 
-from lpcache.cache.server_cache import RAM_TRUST
+from lpcache.cache.server_cache import RAM_BET_SECONDS, RAM_TRUST
 from lpcache.config import BackendConfig, Settings
 from lpcache.workloads import chats
 from lpcache.workloads.harness import LlamaServer
 
-from ..conftest import Proxy, figures
+from ..conftest import RAM_SERVED_TOKENS, Proxy, figures
 
 pytestmark = pytest.mark.e2e
 
@@ -187,7 +187,7 @@ def test_after_a_ram_miss_a_session_s_older_file_is_not_restored_over_the_turn_i
 
             async def record() -> None:
                 for hit in hits:
-                    ram.seen(hit, time.monotonic())
+                    ram.seen(hit, time.monotonic(), RAM_SERVED_TOKENS)
             proxy.run(record())
 
         def before_turn(turn: int) -> None:
@@ -234,7 +234,7 @@ def test_a_session_s_few_word_opening_is_not_restored_over_the_later_turn_the_ra
 
                 async def record() -> None:
                     for _ in range(RAM_TRUST):
-                        ram.seen(True, time.monotonic())
+                        ram.seen(True, time.monotonic(), RAM_SERVED_TOKENS)
                 proxy.run(record())
 
         rows = play(proxy.url, session_ids=True, turns=4, before_turn=before_turn, openings=OPENINGS)
@@ -250,3 +250,38 @@ def test_a_session_s_few_word_opening_is_not_restored_over_the_later_turn_the_ra
     assert weighed.count("session_server_ram") >= CONVERSATIONS, weighed   # left to the RAM, not restored blindly
     for r in later:
         assert r["cache_n"] >= previous[(r["conversation"], r["turn"] - 1)], r   # the RAM (or a file) had it all
+
+
+def test_a_ram_too_small_for_a_long_return_is_not_bet_on_and_its_file_is_restored(tmp_path: Any) -> None:
+    """The check finds a RAM cache (its prompts are a few tokens), but this one (`--cache-ram 2`, about 90 tokens of
+    SmolLM2's KV) cannot keep a long conversation. Relied on from its first return without a bound, it left that
+    conversation's return to be computed again; bounded by what it has served (`RamWatch.bets`: nothing yet, and a
+    miss costing more than RAM_BET_SECONDS of prefill on this CPU), the return is restored from its file."""
+    rng = random.Random(5)
+    with behind_lpcache(tmp_path, 2, big_threshold_words=None, meta_max=0) as proxy:
+        with httpx.Client(timeout=600) as client:
+            def ask(messages: list[dict[str, Any]]) -> httpx.Response:
+                r = client.post(f"{proxy.url}/v1/chat/completions",
+                                json={"model": "smollm2", "messages": messages, "max_tokens": 16, "temperature": 0})
+                assert r.status_code == 200, r.text
+                proxy.settle()
+                return r
+
+            long_chat = [{"role": "user", "content": chats.text(rng, 450)}]
+            first = ask(long_chat)
+            for _ in range(2):   # two other chats: the long one's slot is taken over (its cache copied to RAM)
+                ask([{"role": "user", "content": chats.text(rng, 30)}])
+            long_chat += [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+                          {"role": "user", "content": "And the same for *Ω* — in one line, please?"}]
+            back = ask(long_chat)
+            present, speeds = proxy.pipeline.backends[0].ram.present, proxy.pipeline.speeds.items()
+    held = first.json()["usage"]["prompt_tokens"]
+    timings = back.json()["timings"]
+    figures(f"--cache-ram 2, auto: the RAM check said present={present}; a {held}-token conversation's return: "
+            f"restored={back.headers.get('x-lpcache-restored')}, cache_n={timings['cache_n']} prompt_n="
+            f"{timings['prompt_n']}; prefill {speeds[0][1].prefill.ms_per_token if speeds else None} ms a token")
+    assert present is True   # the preconditions: the check found the RAM, and a miss would cost more than the bet
+    prefill = speeds[0][1].prefill.seconds(held) if speeds else None
+    assert prefill is not None and prefill > RAM_BET_SECONDS, f"a {held}-token prefill learnt at {prefill} s"
+    assert back.headers.get("x-lpcache-restored") == "true"
+    assert timings["cache_n"] >= held, timings

@@ -17,7 +17,7 @@ import pytest
 from lpcache.cache.server_cache import RAM_TRUST
 from lpcache.workloads import chats
 
-from ..conftest import figures
+from ..conftest import RAM_SERVED_TOKENS, figures
 from .test_auto_real import behind_lpcache
 
 pytestmark = pytest.mark.e2e
@@ -56,7 +56,7 @@ def test_requests_go_unpinned_while_the_ram_serves_and_pinned_again_after_a_miss
                 if clear:
                     ram.outcomes.clear()
                 for hit in hits:
-                    ram.seen(hit, time.monotonic())
+                    ram.seen(hit, time.monotonic(), RAM_SERVED_TOKENS)
             proxy.run(record())
 
         states = []
@@ -137,7 +137,7 @@ def test_a_conversation_only_a_file_holds_pins_requests_again_and_is_restored(tm
 
         async def trusted() -> None:   # as after enough probes: this small model's chats all fit in its RAM
             for _ in range(RAM_TRUST):
-                proxy.pipeline.backends[0].ram.seen(True, time.monotonic())
+                proxy.pipeline.backends[0].ram.seen(True, time.monotonic(), RAM_SERVED_TOKENS)
         proxy.run(trusted())
         until_unpinned(proxy, rng)
 
@@ -188,7 +188,7 @@ def test_a_cache_a_restore_took_from_the_ram_is_put_back_before_requests_go_unpi
             for slot in pipeline.pool.slots:
                 slot.content = None
             for _ in range(RAM_TRUST):   # as after enough probes: this small model's chats all fit in its RAM
-                pipeline.backends[0].ram.seen(True, time.monotonic())
+                pipeline.backends[0].ram.seen(True, time.monotonic(), RAM_SERVED_TOKENS)
         proxy.run(lost_and_trusted())
         until_unpinned(proxy, rng)
         story.append({"role": "user", "content": "And then? One sentence."})

@@ -16,7 +16,7 @@ import pytest
 from lpcache.cache.server_cache import RAM_TRUST
 from lpcache.flow.unpinned import QUIET_REQUESTS
 
-from ..conftest import user
+from ..conftest import RAM_SERVED_TOKENS, user
 from .conftest import mock_stats, until
 
 FAST = {"prefill_ms_per_token": 0.04, "kv_bytes_per_token": 23_040}   # a GPU's prefill: auto saves nothing
@@ -39,7 +39,7 @@ def trust_ram(proxy: Any) -> None:
     def seen() -> None:
         for backend in proxy.pipeline.backends:
             for _ in range(RAM_TRUST):
-                backend.ram.seen(True, time.monotonic())
+                backend.ram.seen(True, time.monotonic(), RAM_SERVED_TOKENS)
     on_loop(proxy, seen)
 
 
@@ -58,6 +58,16 @@ def converse(proxy: Any, histories: list[list[dict[str, Any]]], turn: int, **bod
         answers.append(r)
         proxy.settle()
     return answers
+
+
+def slow_prefill(proxy: Any, ms_per_token: float = 100.0) -> None:
+    """lpcache takes the server's prefill for `ms_per_token` from now on (its recent measures all that), so that
+    a miss costs more than RAM_BET_SECONDS; the stand-in itself stays fast."""
+    async def slow() -> None:
+        for (_, _), speeds in proxy.pipeline.speeds.items():
+            speeds.prefill.recent.extend([ms_per_token] * (speeds.prefill.recent.maxlen or 1))
+            speeds.prefill.ms_per_token = ms_per_token
+    proxy.run(slow())
 
 
 def go_unpinned(proxy: Any, histories: list[list[dict[str, Any]]]) -> int:
@@ -147,6 +157,7 @@ def test_a_return_the_server_lost_pins_requests_again_without_overlap(start_back
     others: list[list[dict[str, Any]]] = [[], []]
     converse(proxy, others, 0)
     converse(proxy, others, 0)   # each of the two slots now holds one of them, whichever the server chose
+    slow_prefill(proxy)          # the miss costs seconds: a CPU's (a GPU's would not be worth pinning again)
     bodies = [{"messages": [*histories[0], {"role": "user", "content": "And then?"}], "max_tokens": 8}]
     bodies += [{"messages": user(f"{TEXTS[i]} — now quickly, please [{i}]"), "max_tokens": 8} for i in range(4)]
     with caplog.at_level("INFO", logger="lpcache.unpinned"):
@@ -257,8 +268,8 @@ def test_a_save_made_only_to_keep_the_ram_s_reach_is_marked_as_such(start_backen
         pipeline = proxy.pipeline
         b = pipeline.backends[0]
         now = time.monotonic()
-        b.ram.seen(True, now)    # the RAM served a return (so a cache may be left to it) ...
-        b.ram.seen(False, now)   # ... and missed one (so the story's file is restored, not left to it)
+        b.ram.seen(True, now, RAM_SERVED_TOKENS)    # the RAM served a return (so a cache may be left to it) ...
+        b.ram.seen(False, now, 0)   # ... and missed one (so the story's file is restored, not left to it)
         slot = pipeline.pool.slots[0]
         assert slot.content is not None and slot.content.session is not None
         slot.content = replace(slot.content, saved=False, keep=False)   # "autre": too short for a file here
@@ -319,7 +330,7 @@ def test_caches_a_restore_took_from_the_ram_are_put_back_before_requests_go_unpi
         for slot in pipeline.pool.slots:
             slot.content = None                 # (as if other sessions' turns, copied to the RAM, filled them)
         for _ in range(RAM_TRUST):
-            b.ram.seen(True, time.monotonic())
+            b.ram.seen(True, time.monotonic(), RAM_SERVED_TOKENS)
         pipeline.unpinned._switch(0, "to_unpinned")
         return len(held.chain), len(caches.lost(0))
     before = mock_stats(backend)

@@ -12,7 +12,15 @@ from lpcache.backends.slot_pool import SlotPool
 from lpcache.backends.slots import Content, Slot
 from lpcache.cache.meta_files import Candidate, MetaEntry
 from lpcache.cache.prefix import Prompt
-from lpcache.cache.server_cache import PROBE_PAYBACK, RAM_RETRY_SECONDS, RAM_TRUST, RamWatch, ServerCaches
+from lpcache.cache.server_cache import (
+    PROBE_PAYBACK,
+    RAM_BET_GROWTH,
+    RAM_BET_SECONDS,
+    RAM_RETRY_SECONDS,
+    RAM_TRUST,
+    RamWatch,
+    ServerCaches,
+)
 from lpcache.errors import ProxyError, SlotsBusy
 
 A, B = "http://a:8000", "http://b:8000"
@@ -771,10 +779,10 @@ def test_a_server_s_ram_is_relied_on_while_its_expected_misses_cost_less_than_a_
     assert ram.rely(2.0, 1.5, now=100.0)           # ... but a restore that waits 1.5 s for a busy server: the RAM
     assert not ram.rely(None, None, now=100.0)     # nothing to weigh and nothing seen
     for t in range(101, 117):
-        ram.seen(True, now=float(t))               # 16 prompts found in the RAM
+        ram.seen(True, now=float(t), tokens=100)               # 16 prompts found in the RAM
     assert ram.rely(0.5, 0.05, now=117.0) and ram.served and ram.rely(None, None, now=117.0)
     assert not ram.rely(2.0, 0.05, now=117.0)      # 1/18 of 2 s is still more than 0.05 s: a long prompt's file
-    ram.seen(False, now=118.0)                     # a miss
+    ram.seen(False, now=118.0, tokens=100)                     # a miss
     assert not ram.rely(0.5, 0.05, now=119.0) and not ram.rely(None, None, now=119.0)
     assert ram.rely(0.2, 0.05, now=119.0)          # a short prefill is worth the risk
 
@@ -782,7 +790,7 @@ def test_a_server_s_ram_is_relied_on_while_its_expected_misses_cost_less_than_a_
 def test_a_server_without_a_ram_cache_is_left_to_only_where_a_miss_costs_about_a_restore() -> None:
     ram = RamWatch()
     for t in range(5, 10):
-        ram.seen(False, now=float(t))              # --cache-ram 0: prompts with no file were computed
+        ram.seen(False, now=float(t), tokens=100)              # --cache-ram 0: prompts with no file were computed
     assert not ram.served
     assert not ram.rely(2.0, 1.5, now=10.0)        # 6/7 of 2 s > 1.5 s
     assert ram.rely(2.0, 1.9, now=10.0)            # (the restore would not pay either)
@@ -797,13 +805,13 @@ def test_a_ram_never_seen_is_probed_once_the_files_spared_enough_and_on_every_pr
     ram.restored(0.5)                               # the restores have spared PROBE_PAYBACK x 2 s of prefill
     assert not ram.probe(2.5, now=3.0)              # a longer prompt's miss needs more spared first
     assert ram.probe(2.0, now=4.0) and not ram.probe(2.0, now=5.0)   # tried, and paid for again from zero
-    ram.seen(True, now=11.0)                        # the probe's prompt came from the RAM
+    ram.seen(True, now=11.0, tokens=100)                        # the probe's prompt came from the RAM
     assert ram.probe(2.0, now=12.0) and ram.probe(2.0, now=13.0) and ram.probes == 3
     assert ram.miss_rate(now=13.0) == 1.0           # too few outcomes to spare a file yet
     for t in range(14, 14 + RAM_TRUST):
-        ram.seen(True, now=float(t))
+        ram.seen(True, now=float(t), tokens=100)
     assert ram.miss_rate(now=30.0) == 0.0           # it served every prompt left to it: no file is needed
-    ram.seen(False, now=31.0)
+    ram.seen(False, now=31.0, tokens=100)
     assert ram.miss_rate(now=32.0) == pytest.approx(1 / (RAM_TRUST + 2))
     ram.restored(1000.0)
     assert not any(ram.probe(2.0, now=float(t)) for t in range(32, 100))   # after a miss: no probe ...
@@ -817,7 +825,7 @@ def test_a_server_without_a_ram_cache_loses_at_most_a_twentieth_of_what_the_file
         if ram.probe(1.0, now=float(t)):
             probes.append(t)
             lost += 1.0
-            ram.seen(False, now=float(t))         # --cache-ram 0: the probe's prompt was computed
+            ram.seen(False, now=float(t), tokens=100)         # --cache-ram 0: the probe's prompt was computed
         else:
             ram.restored(1.0)                     # restored from its file instead
             spared += 1.0
@@ -831,24 +839,59 @@ def test_a_server_that_said_it_has_a_ram_cache_is_relied_on_at_once_and_one_that
     assert not ram.rely(2.0, 0.05, now=1.0)         # not asked: an even bet, and the file's restore is cheaper
     ram.present = True                              # `backends.ram_check` saw the RAM give a prompt back
     assert ram.rely(2.0, 0.05, now=1.0) and ram.rely(None, None, now=1.0)   # no PROBE_PAYBACK to wait for
-    ram.seen(True, now=2.0)
+    ram.seen(True, now=2.0, tokens=100)
     assert ram.rely(2.0, 0.05, now=3.0)
-    ram.seen(False, now=4.0)                        # a miss: weighed again, the outcomes with the prior
+    ram.seen(False, now=4.0, tokens=100)                        # a miss: weighed again, the outcomes with the prior
     assert not ram.rely(2.0, 0.05, now=5.0) and not ram.probe(2.0, now=5.0)
     none = RamWatch()
     none.present = False                            # --cache-ram 0: the check's prompt was not given back
     none.restored(1000.0)
     assert not any(none.probe(0.1, now=float(t)) for t in range(1, 2 * int(RAM_RETRY_SECONDS)))
     assert not none.rely(2.0, 1.9, now=5.0) and not none.rely(0.001, 10.0, now=5.0)
-    none.seen(True, now=6.0)                        # ... yet it served one: the returns decide from now on
+    none.seen(True, now=6.0, tokens=100)                        # ... yet it served one: the returns decide from now on
     assert none.present is None and none.rely(None, None, now=7.0)
+
+
+def test_a_ram_that_missed_nothing_is_bet_on_only_for_prompts_near_the_longest_it_served() -> None:
+    """A RAM of a fifth of the working set serves the first short returns and has dropped a long one: the bet
+    grows with what it served (RAM_BET_GROWTH), from a miss costing at most RAM_BET_SECONDS."""
+    ram = RamWatch()
+    ram.present = True                              # the check found a RAM: how much it holds, nothing says
+    cheap, long_ = RAM_BET_SECONDS, RAM_BET_SECONDS * 4.5   # prefill seconds (3.4 ms a token: 294 and 1,324 tokens)
+    assert ram.rely(cheap, 0.05, now=1.0, tokens=294)          # a miss costs little: bet on
+    assert not ram.rely(long_, 0.05, now=1.0, tokens=1_312)    # a long return before any hit: its file
+    ram.seen(True, now=2.0, tokens=300)             # the RAM served 300 tokens
+    assert ram.rely(long_, 0.05, now=3.0, tokens=RAM_BET_GROWTH * 300)
+    assert not ram.rely(long_, 0.05, now=3.0, tokens=RAM_BET_GROWTH * 300 + 1)
+    assert not ram.probe(long_, now=3.0, tokens=1_312)   # nor tried "while it serves them"
+    ram.seen(True, now=4.0, tokens=700)             # a RAM that holds it all serves longer ones turn by turn
+    assert ram.rely(long_, 0.05, now=5.0, tokens=1_312) and ram.rely(long_, 0.05, now=5.0)   # (None: not weighed)
+    assert not ram.rely(long_, 30.0, now=5.0, tokens=3_000)   # nor weighed past it: a slow restore says nothing
+    assert not ram.probe(long_, now=5.0, tokens=3_000)        # of what a RAM keeps
+    assert not ram.rely(long_, 0.05, now=4.0 + RAM_RETRY_SECONDS + 1, tokens=1_312)   # forgotten with its hits
+    ram.forget()
+    assert not ram.hit_sizes
+
+
+def test_a_ram_that_said_it_exists_is_tried_once_on_a_long_prompt_before_anything_came_back() -> None:
+    """A workload of long prompts only (an agent's harness) would never learn what the RAM keeps: one return is
+    risked whatever its size, and its outcome bounds the rest."""
+    ram = RamWatch()
+    ram.present = True
+    assert not ram.rely(60.0, 0.05, now=1.0, tokens=15_000)
+    assert ram.probe(60.0, now=1.0, tokens=15_000) and ram.probes == 1
+    assert not ram.probe(60.0, now=1.5, tokens=15_000)        # once: the next waits for its outcome
+    ram.seen(True, now=2.0, tokens=15_000)
+    assert ram.rely(62.0, 0.05, now=3.0, tokens=15_500)       # it kept 15,000 tokens: bet on up to twice that
+    unasked = RamWatch()                                      # never asked: no such try (the probes' payback rules)
+    assert not unasked.probe(60.0, now=1.0, tokens=15_000)
 
 
 def test_a_restart_forgets_what_the_ram_did_and_whether_it_has_one() -> None:
     ram = RamWatch()
     ram.present = True
     for t in range(RAM_TRUST):
-        ram.seen(True, now=float(t))
+        ram.seen(True, now=float(t), tokens=100)
     ram.forget()
     assert ram.present is None and not ram.outcomes and ram.miss_rate(now=10.0) == 1.0
     caches = ServerCaches()

@@ -10,10 +10,11 @@ from typing import Any
 
 from lpcache.backends.backend import Backend
 from lpcache.backends.placement import Want
+from lpcache.backends.router_models import RouterModels
 from lpcache.backends.slot_pool import SlotPool
 from lpcache.backends.slots import Content
 from lpcache.cache.prefix import Prompt
-from lpcache.cache.server_cache import RAM_TRUST, ServerCaches
+from lpcache.cache.server_cache import RAM_BET_SECONDS, RAM_TRUST, ServerCaches
 from lpcache.cache.speeds import SpeedBook
 from lpcache.config import BackendConfig, Settings
 from lpcache.errors import ProxyError
@@ -48,7 +49,7 @@ def _setup(threshold: int | None = None, backends: int = 1, busy_polls: int = 0)
 
 def _trusted(backend: Backend, hits: int = RAM_TRUST) -> None:
     for _ in range(hits):
-        backend.ram.seen(True, time.monotonic())
+        backend.ram.seen(True, time.monotonic(), 8192)
 
 
 def _quiet(mode: UnpinnedMode, backend: Backend, n: int = QUIET_REQUESTS) -> None:
@@ -143,6 +144,59 @@ def test_a_return_the_server_held_keeps_requests_unpinned() -> None:
         mode.judge(backend, prompt, record)
         mode.ended(0)
         assert mode.state[0] == "unpinned" and record.ram_expected and all(backend.ram.recent(time.monotonic()))
+
+    asyncio.run(run())
+
+
+def test_a_miss_cheaper_than_the_ram_s_bet_keeps_requests_unpinned_and_a_dear_one_does_not() -> None:
+    """A short chat turn's RAM entry that another chat's first prompt took (llama-server's own choice, which the
+    server alone loses the same way) costs less than pinning every request again for RAM_RETRY_SECONDS (ShareGPT at
+    the default RAM: a 111-token miss pinned the rest of the run)."""
+    async def run() -> None:
+        mode, backend, _, _ = _setup()
+        _trusted(backend)
+        _quiet(mode, backend)
+        short = Prompt.of("m", [{"role": "user", "content": "Short turn, ça va? 🙂 " * 12}], 10)
+        long_ = Prompt.of("m", [{"role": "user", "content": "A long conversation, déjà vu. " * 60}], 10)
+        speeds = mode.speeds.of(0, RouterModels.served(backend, "m"))
+        speeds.prefill.ms_per_token = 4.0                  # a CPU: 250 tokens a second
+        for prompt in (short, long_):
+            mode.server_caches.held(0, prompt.exact)
+        expected_short = speeds.tokens_of(len(short.exact))
+        assert expected_short * 4.0 / 1000 <= RAM_BET_SECONDS < speeds.tokens_of(len(long_.exact)) * 4.0 / 1000
+        record = RequestRecord(cache_n=3, prompt_tokens=round(expected_short) + 10)
+        mode.began(0)
+        mode.judge(backend, short, record)                 # missed, but cheaply
+        mode.ended(0)
+        assert mode.state[0] == "unpinned" and all(backend.ram.recent(time.monotonic())) and record.ram_expected
+        mode.began(0)
+        mode.judge(backend, long_, RequestRecord(cache_n=3, prompt_tokens=700))   # missed, dearly
+        mode.ended(0)
+        assert mode.state[0] in ("to_pinned", "draining") and not all(backend.ram.recent(time.monotonic()))
+
+    asyncio.run(run())
+
+
+def test_small_misses_that_add_up_to_more_than_the_bet_pin_again() -> None:
+    """A RAM that keeps dropping short turns: each miss is small, together they are not."""
+    async def run() -> None:
+        mode, backend, _, _ = _setup()
+        _trusted(backend)
+        _quiet(mode, backend)
+        short = Prompt.of("m", [{"role": "user", "content": "Short turn, ça va? 🙂 " * 12}], 10)
+        speeds = mode.speeds.of(0, RouterModels.served(backend, "m"))
+        speeds.prefill.ms_per_token = 4.0
+        mode.server_caches.held(0, short.exact)
+        lost = speeds.prefill.seconds(speeds.tokens_of(len(short.exact)) - 3)
+        assert lost is not None and 0 < lost <= RAM_BET_SECONDS
+        misses = 0
+        while mode.state[0] == "unpinned":
+            misses += 1
+            mode.began(0)
+            mode.judge(backend, short, RequestRecord(cache_n=3, prompt_tokens=120))
+            mode.ended(0)
+            assert misses <= RAM_BET_SECONDS / lost + 1, misses
+        assert misses == int(RAM_BET_SECONDS / lost) + 1 and not all(backend.ram.recent(time.monotonic()))
 
     asyncio.run(run())
 
