@@ -171,7 +171,8 @@ class RamWatch:
         holds everything is bet on for longer prompts with each one it serves (conversations grow turn by turn).
         The bound is one entry's size, not the RAM's: it guards the first returns, before a miss is seen; after
         that the misses are weighed (`rely`). A RAM that said it exists and has given nothing back yet is tried once
-        whatever the size (`probe`)."""
+        whatever the size where a session's file would otherwise be restored (`probe`, which prefix mode does not
+        ask: there a long return is restored until the RAM has served a shorter one)."""
         if tokens is None or (prefill_s is not None and prefill_s <= RAM_BET_SECONDS):
             return True
         longest = max((n for t, n in self.hit_sizes if now - t <= RAM_RETRY_SECONDS), default=0.0)
