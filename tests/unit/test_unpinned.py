@@ -57,6 +57,22 @@ def _quiet(mode: UnpinnedMode, backend: Backend, n: int = QUIET_REQUESTS) -> Non
         mode.observe(backend, RequestRecord())
 
 
+def _unpinned_now(busy_polls: int = 0) -> tuple[UnpinnedMode, Backend, SlotPool, list[Any]]:
+    """One backend whose RAM the check trusts, after enough quiet pinned requests: its requests go unpinned."""
+    mode, backend, pool, spawned = _setup(busy_polls=busy_polls)
+    _trusted(backend)
+    _quiet(mode, backend)
+    assert mode.state[0] == "unpinned"
+    return mode, backend, pool, spawned
+
+
+def _answer(mode: UnpinnedMode, backend: Backend, prompt: Prompt, record: RequestRecord) -> None:
+    """One unpinned request, sent and answered with `record`'s cache_n."""
+    mode.began(0)
+    mode.judge(backend, prompt, record)
+    mode.ended(0)
+
+
 def test_quiet_requests_behind_a_trusted_ram_switch_once_the_pinned_ones_are_over() -> None:
     async def run() -> None:
         mode, backend, pool, _ = _setup()
@@ -105,10 +121,7 @@ def test_a_save_made_only_so_that_a_restore_keeps_the_ram_s_reach_is_quiet_and_a
 
 def test_a_miss_pins_again_only_after_every_unpinned_request_and_the_server_s_slots() -> None:
     async def run() -> None:
-        mode, backend, pool, spawned = _setup(busy_polls=2)
-        _trusted(backend)
-        _quiet(mode, backend)
-        assert mode.state[0] == "unpinned"
+        mode, backend, pool, spawned = _unpinned_now(busy_polls=2)
         prompt = Prompt.of("m", [{"role": "user", "content": "A long conversation, déjà vu. " * 60}], 10)
         mode.server_caches.held(0, prompt.exact)
         first = (await pool.acquire(Want())).slot
@@ -134,15 +147,11 @@ def test_a_miss_pins_again_only_after_every_unpinned_request_and_the_server_s_sl
 
 def test_a_return_the_server_held_keeps_requests_unpinned() -> None:
     async def run() -> None:
-        mode, backend, _, _ = _setup()
-        _trusted(backend)
-        _quiet(mode, backend)
+        mode, backend, _, _ = _unpinned_now()
         prompt = Prompt.of("m", [{"role": "user", "content": "A long conversation, déjà vu. " * 60}], 10)
         mode.server_caches.held(0, prompt.exact)
         record = RequestRecord(cache_n=690, prompt_tokens=700)
-        mode.began(0)
-        mode.judge(backend, prompt, record)
-        mode.ended(0)
+        _answer(mode, backend, prompt, record)
         assert mode.state[0] == "unpinned" and record.ram_expected and all(backend.ram.recent(time.monotonic()))
 
     asyncio.run(run())
@@ -153,9 +162,7 @@ def test_a_miss_cheaper_than_the_ram_s_bet_keeps_requests_unpinned_and_a_dear_on
     server alone loses the same way) costs less than pinning every request again for RAM_RETRY_SECONDS (ShareGPT at
     the default RAM: a 111-token miss pinned the rest of the run)."""
     async def run() -> None:
-        mode, backend, _, _ = _setup()
-        _trusted(backend)
-        _quiet(mode, backend)
+        mode, backend, _, _ = _unpinned_now()
         short = Prompt.of("m", [{"role": "user", "content": "Short turn, ça va? 🙂 " * 12}], 10)
         long_ = Prompt.of("m", [{"role": "user", "content": "A long conversation, déjà vu. " * 60}], 10)
         speeds = mode.speeds.of(0, RouterModels.served(backend, "m"))
@@ -165,13 +172,9 @@ def test_a_miss_cheaper_than_the_ram_s_bet_keeps_requests_unpinned_and_a_dear_on
         expected_short = speeds.tokens_of(len(short.exact))
         assert expected_short * 4.0 / 1000 <= RAM_BET_SECONDS < speeds.tokens_of(len(long_.exact)) * 4.0 / 1000
         record = RequestRecord(cache_n=3, prompt_tokens=round(expected_short) + 10)
-        mode.began(0)
-        mode.judge(backend, short, record)                 # missed, but cheaply
-        mode.ended(0)
+        _answer(mode, backend, short, record)              # missed, but cheaply
         assert mode.state[0] == "unpinned" and all(backend.ram.recent(time.monotonic())) and record.ram_expected
-        mode.began(0)
-        mode.judge(backend, long_, RequestRecord(cache_n=3, prompt_tokens=700))   # missed, dearly
-        mode.ended(0)
+        _answer(mode, backend, long_, RequestRecord(cache_n=3, prompt_tokens=700))   # missed, dearly
         assert mode.state[0] in ("to_pinned", "draining") and not all(backend.ram.recent(time.monotonic()))
 
     asyncio.run(run())
@@ -180,9 +183,7 @@ def test_a_miss_cheaper_than_the_ram_s_bet_keeps_requests_unpinned_and_a_dear_on
 def test_small_misses_that_add_up_to_more_than_the_bet_pin_again() -> None:
     """A RAM that keeps dropping short turns: each miss is small, together they are not."""
     async def run() -> None:
-        mode, backend, _, _ = _setup()
-        _trusted(backend)
-        _quiet(mode, backend)
+        mode, backend, _, _ = _unpinned_now()
         short = Prompt.of("m", [{"role": "user", "content": "Short turn, ça va? 🙂 " * 12}], 10)
         speeds = mode.speeds.of(0, RouterModels.served(backend, "m"))
         speeds.prefill.ms_per_token = 4.0
@@ -192,9 +193,7 @@ def test_small_misses_that_add_up_to_more_than_the_bet_pin_again() -> None:
         misses = 0
         while mode.state[0] == "unpinned":
             misses += 1
-            mode.began(0)
-            mode.judge(backend, short, RequestRecord(cache_n=3, prompt_tokens=120))
-            mode.ended(0)
+            _answer(mode, backend, short, RequestRecord(cache_n=3, prompt_tokens=120))
             assert misses <= RAM_BET_SECONDS / lost + 1, misses
         assert misses == int(RAM_BET_SECONDS / lost) + 1 and not all(backend.ram.recent(time.monotonic()))
 
@@ -241,14 +240,10 @@ def test_a_server_that_does_not_say_its_slots_are_idle_keeps_requests_unpinned()
         _quiet(mode, backend)
         prompt = Prompt.of("m", [{"role": "user", "content": "Ein langes Gespräch über Caches. " * 60}], 10)
         mode.server_caches.held(0, prompt.exact)
-        mode.began(0)
-        mode.judge(backend, prompt, RequestRecord(cache_n=3, prompt_tokens=700))
-        mode.ended(0)
+        _answer(mode, backend, prompt, RequestRecord(cache_n=3, prompt_tokens=700))
         await asyncio.gather(*spawned)
         assert mode.state[0] == "unpinned" and len(pool.idle()) == 2   # never left closed, never pinned unchecked
-        mode.began(0)
-        mode.judge(backend, prompt, RequestRecord(cache_n=3, prompt_tokens=700))
-        mode.ended(0)
+        _answer(mode, backend, prompt, RequestRecord(cache_n=3, prompt_tokens=700))
         assert mode.state[0] == "unpinned"                 # not tried again before the back-off is over
 
     asyncio.run(run())
@@ -259,10 +254,7 @@ def test_a_file_the_ram_lacks_pins_again_when_its_prefill_beats_the_switch() -> 
     compute it all again. Worth pinning for when that prefill beats a switch there and back (2 x SWITCH_SECONDS on
     each of the 2 slots: 20 s); a short one is left to the server."""
     async def run() -> None:
-        mode, backend, pool, spawned = _setup()
-        _trusted(backend)
-        _quiet(mode, backend)
-        assert mode.state[0] == "unpinned"
+        mode, backend, pool, spawned = _unpinned_now()
         prompt = Prompt.of("m", [{"role": "user", "content": "Une longue conversation, déjà vue. " * 400}], 10)
         blocks = len(prompt.exact)
         speeds = mode.speeds.of(0, "")
