@@ -5,7 +5,9 @@ something else makes it look there too), so a conversation lpcache sent to one s
 server's RAM after its slot was reused, and in no other server's. When no slot holds a prompt and no saved file
 of it is left, sending it to that server, in a slot that holds something (an empty pinned slot skips the RAM
 cache), lets the server find it; any other server computes it all. This remembers, per identity-chain digest,
-the last server whose slot held it: the deepest digest of a prompt found here names that server.
+the last server whose slot held it: the deepest digest of a prompt found here names that server. With it, how many
+blocks of prompts that server's slots held after it (`since`): what its RAM kept beside the prompt, when it serves it
+again (entries leave oldest first).
 
 A guess, never a claim: it only steers a request that would otherwise go to any slot, and is never reported as a
 hit. Bounded: the oldest digests are forgotten.
@@ -18,6 +20,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 LIMIT = 200_000   # digests remembered (about 30 MB)
+HOLDS_KEPT = 256   # the latest prompts a server's slots held, remembered per server (`since`)
 LOST_KEPT = 16    # caches a restore took out of a server's RAM reach, remembered per server (`lost`), newest kept
 LOST_SECONDS = 600.0   # ... for this long: a conversation quiet longer is not worth a restore at a switch
 RAM_WINDOW = 32              # the last requests left to a server's RAM cache, whose outcomes are weighed
@@ -28,13 +31,17 @@ PROBE_PAYBACK = 20.0         # a RAM not seen lately is tried once restores spar
                              # (then on every prompt while it serves them; after a miss, once the miss is forgotten)
 RAM_TRUST = 8                # outcomes seen before the RAM's miss rate is trusted over "every return needs a file"
 RAM_BET_GROWTH = 2.0         # a RAM that missed nothing lately is bet on for prompts up to twice the longest it served
+                             # (or what it kept beside one it served, if more)
 RAM_BET_SECONDS = 1.0        # ... or whose miss would cost at most this much prefill (`RamWatch.bets`)
 
 
 class ServerCaches:
     def __init__(self, limit: int = LIMIT) -> None:
         self.limit = limit
-        self._where: OrderedDict[int, int] = OrderedDict()   # chain digest -> backend index
+        # chain digest -> (backend index, that backend's `traffic` once the prompt was held)
+        self._where: OrderedDict[int, tuple[int, int]] = OrderedDict()
+        self.traffic: dict[int, int] = {}   # backend -> blocks of the prompts its slots held, summed
+        self._holds: dict[int, deque[tuple[int, int]]] = {}   # backend -> (traffic once held, blocks), the latest
         # backend -> file name -> (chain, when it was lost, monotonic)
         self._lost: dict[int, OrderedDict[str, tuple[tuple[int, ...], float]]] = {}
 
@@ -42,10 +49,13 @@ class ServerCaches:
         return len(self._where)
 
     def held(self, backend: int, chain: Sequence[int]) -> None:
-        """A slot of `backend` held the prompt of this chain."""
+        """A slot of `backend` held the prompt of this chain (the server copies it to its RAM once replaced)."""
         where = self._where
+        mark = self.traffic[backend] = self.traffic.get(backend, 0) + len(chain)
+        self._holds.setdefault(backend, deque(maxlen=HOLDS_KEPT)).append((mark, len(chain)))
+        entry = (backend, mark)   # one tuple for the whole chain
         for digest in chain:
-            where[digest] = backend
+            where[digest] = entry
             where.move_to_end(digest)
         while len(where) > self.limit:
             where.popitem(last=False)
@@ -54,7 +64,7 @@ class ServerCaches:
         """A restore replaced what a slot of `backend` held without the server copying it to RAM; `key`: the file
         that holds it (saved first, `ram_reach.keeps`), remembered as lost to that server's RAM (`lost`)."""
         for digest in chain:
-            if self._where.get(digest) == backend:
+            if self._where.get(digest, (None, 0))[0] == backend:
                 del self._where[digest]
         if key is not None and chain:
             lost = self._lost.setdefault(backend, OrderedDict())
@@ -88,17 +98,40 @@ class ServerCaches:
 
     def forget(self, backend: int) -> None:
         """`backend` was restarted: its RAM holds none of it any more."""
-        for digest in [d for d, b in self._where.items() if b == backend]:
+        for digest in [d for d, (b, _) in self._where.items() if b == backend]:
             del self._where[digest]
         self._lost.pop(backend, None)
+        self.traffic.pop(backend, None)
+        self._holds.pop(backend, None)
 
     def find(self, chain: Sequence[int]) -> tuple[int, int] | None:
         """(backend, blocks): the server that last held the longest prefix of the chain, and how much of it."""
         for depth in range(len(chain), 0, -1):
-            backend = self._where.get(chain[depth - 1])
-            if backend is not None:
-                return backend, depth
+            found = self._where.get(chain[depth - 1])
+            if found is not None:
+                return found[0], depth
         return None
+
+    def since(self, backend: int, chain: Sequence[int]) -> int:
+        """Blocks of prompts `backend`'s slots held after the deepest prompt of the chain it held, that its RAM
+        likely kept beside it when it serves that prompt again: llama-server drops the oldest entries first, so the
+        newer ones it stored are still there; but it stores no entry larger than its whole RAM, and such a prompt
+        leaves the older ones in place. So a prompt counts only if it is at most RAM_BET_GROWTH times what is counted
+        so far (the served prompt first): a long first turn after a short one, in a RAM too small for it, does not
+        (`RamWatch.bets`). Still an overestimate where one of them was taken back out of the RAM meanwhile (a
+        conversation that came back twice). 0 when not found there."""
+        for depth in range(len(chain), 0, -1):
+            found = self._where.get(chain[depth - 1])
+            if found is None:
+                continue
+            if found[0] != backend:
+                return 0
+            kept = depth
+            for mark, blocks in self._holds.get(backend, ()):
+                if mark > found[1] and blocks <= RAM_BET_GROWTH * kept:
+                    kept += blocks
+            return kept - depth
+        return 0
 
 
 class RamWatch:
@@ -119,7 +152,8 @@ class RamWatch:
 
     def __init__(self) -> None:
         self.outcomes: deque[tuple[float, bool]] = deque(maxlen=RAM_WINDOW)
-        self.hit_sizes: deque[tuple[float, float]] = deque(maxlen=RAM_WINDOW)   # (when, tokens) of its hits
+        # (when, tokens) per hit: what it showed it keeps (`bets`)
+        self.kept_shown: deque[tuple[float, float]] = deque(maxlen=RAM_WINDOW)
         self.spared = 0.0   # seconds of prefill restores from files spared since the last probe
         self.probes = 0
         self.first_tried = False   # the one return risked, whatever its size, on a RAM that said it exists (`probe`)
@@ -133,7 +167,7 @@ class RamWatch:
     def forget(self) -> None:
         """The server was restarted: its RAM is empty, and whether it has one is asked again."""
         self.outcomes.clear()
-        self.hit_sizes.clear()
+        self.kept_shown.clear()
         self.first_tried = False
         self.spared = 0.0
         self.present = None
@@ -144,11 +178,12 @@ class RamWatch:
         if generation == self.generation and self.present is None and not self.outcomes:
             self.present = present
 
-    def seen(self, hit: bool, now: float, tokens: float) -> None:
-        """A prompt left to the RAM came back: served (`hit`, `tokens` taken from the cache) or not."""
+    def seen(self, hit: bool, now: float, tokens: float, beside: float = 0.0) -> None:
+        """A prompt left to the RAM came back: served (`hit`, `tokens` taken from the cache) or not; `beside`: the
+        tokens of the prompts the server's slots held after it (`ServerCaches.since`), which its RAM kept too."""
         self.outcomes.append((now, hit))
         if hit:
-            self.hit_sizes.append((now, tokens))
+            self.kept_shown.append((now, max(RAM_BET_GROWTH * tokens, tokens + beside)))
         if hit and self.present is False:
             self.present = None   # it served one after all: the check was wrong, and the returns decide
             self.generation += 1  # (and a check still under way does not say otherwise)
@@ -163,20 +198,22 @@ class RamWatch:
 
     def bets(self, tokens: float | None, prefill_s: float | None, now: float) -> bool:
         """Whether a prompt of `tokens` (a miss costing `prefill_s`) may be left to a RAM on the strength of what it
-        has not missed: no more than RAM_BET_GROWTH times the longest prompt it served lately, or a miss costing at
-        most RAM_BET_SECONDS of prefill. Nothing says how much a RAM holds (llama-server's /props does not tell its
-        `--cache-ram`): one of a fifth of the working set serves the first, short returns and has dropped a long
-        one long before it comes back. Bet on without a bound from its first hit, it left a 1,312-token return to
-        be computed again (docs/benchmarks.md); bounded, that return is restored from its file, and a RAM that
-        holds everything is bet on for longer prompts with each one it serves (conversations grow turn by turn).
-        The bound is one entry's size, not the RAM's: it guards the first returns, before a miss is seen; after
-        that the misses are weighed (`rely`). A RAM that said it exists and has given nothing back yet is tried once
+        has not missed: no more than it has shown it keeps lately, or a miss costing at most RAM_BET_SECONDS of
+        prefill. What a hit shows it keeps: RAM_BET_GROWTH times the prompt it served, or that prompt and the
+        prompts the server's slots held after it, if more (its RAM drops the oldest entries first, so it held those
+        too). Nothing says how much a RAM holds (llama-server's /props does not tell its `--cache-ram`): one of a
+        fifth of the working set serves the first, short returns and has dropped a long one long before it comes
+        back. Bet on without a bound from its first hit, it left a 1,312-token return to be computed again
+        (docs/benchmarks.md); bounded, that return is restored from its file. Bounded by the served prompts' sizes
+        alone, a RAM that holds everything was never bet on where the short returns were few: each return restored,
+        each turn saved, requests never unpinned, and the time to first token over the server alone's
+        (docs/benchmarks.md, 2026-12-07). The bound guards the first returns, before a miss is seen; after that the
+        misses are weighed (`rely`). A RAM that said it exists and has given nothing back yet is tried once
         whatever the size where a session's file would otherwise be restored (`probe`, which prefix mode does not
         ask: there a long return is restored until the RAM has served a shorter one)."""
         if tokens is None or (prefill_s is not None and prefill_s <= RAM_BET_SECONDS):
             return True
-        longest = max((n for t, n in self.hit_sizes if now - t <= RAM_RETRY_SECONDS), default=0.0)
-        return tokens <= RAM_BET_GROWTH * longest
+        return tokens <= max((n for t, n in self.kept_shown if now - t <= RAM_RETRY_SECONDS), default=0.0)
 
     def rely(self, prefill_s: float | None, restore_s: float | None, now: float, tokens: float | None = None) -> bool:
         """Whether to leave a prompt to the RAM rather than restore it from a file: a miss costs `prefill_s`, the

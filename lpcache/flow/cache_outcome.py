@@ -52,6 +52,9 @@ def judge(choice: Choice, backend: Backend, prompt: Prompt, record: RequestRecor
     now = time.monotonic()
     served = not record.restored and not explained and \
         record.cache_n >= REUSE_MIN_TOKENS + speeds.tokens_of(choice.resident + 2)
+    # what the RAM kept beside the prompt, if it served it
+    beside = speeds.tokens_of(saver.server_caches.since(backend.index, prompt.exact)) \
+        if record.ram_expected or served else 0.0
     if record.ram_expected:
         # left to the RAM in a slot chosen because it shares little with the prompt: what it shares is all the
         # slot itself could have given (the slot holding more tokens in all says nothing here)
@@ -61,11 +64,11 @@ def judge(choice: Choice, backend: Backend, prompt: Prompt, record: RequestRecor
             log.info("backend_ram_cache url=%s cache_n=%d: llama-server's RAM prompt cache served a prompt no "
                      "slot held; what it likely holds is left to it rather than restored from disk while it "
                      "does", backend.url, record.cache_n)
-        backend.ram.seen(hit, now, record.cache_n)
+        backend.ram.seen(hit, now, record.cache_n, beside)
         log.debug("ram_outcome slot=%s hit=%s cache_n=%s expected=%.0f slot_shared=%s", choice.slot.name,
                   str(hit).lower(), record.cache_n, record.ram_expected, shared)
     elif served:
-        backend.ram.seen(True, now, record.cache_n)
+        backend.ram.seen(True, now, record.cache_n, beside)
     if record.cache_hit and choice.resident:
         expected = speeds.tokens_of(choice.resident)
         if expected >= REUSE_MIN_TOKENS and record.cache_n < REUSE_SHORT * expected:

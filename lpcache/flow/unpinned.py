@@ -138,7 +138,8 @@ class UnpinnedMode:
                 lost = speeds.prefill.seconds(expected - record.cache_n)
                 small = not hit and lost is not None and not self._small_misses_add_up(backend.index, lost, now)
                 if not small:
-                    backend.ram.seen(hit, now, record.cache_n)
+                    backend.ram.seen(hit, now, record.cache_n,
+                                     speeds.tokens_of(self.server_caches.since(backend.index, prompt.exact)))
                 if not hit:
                     log.info("unpinned_miss url=%s cache_n=%d expected=%.0f lost_s=%s: llama-server computed again "
                              "what it held of the prompt%s", backend.url, record.cache_n, expected,

@@ -285,3 +285,52 @@ def test_a_ram_too_small_for_a_long_return_is_not_bet_on_and_its_file_is_restore
     assert prefill is not None and prefill > RAM_BET_SECONDS, f"a {held}-token prefill learnt at {prefill} s"
     assert back.headers.get("x-lpcache-restored") == "true"
     assert timings["cache_n"] >= held, timings
+
+
+def test_a_ram_that_kept_other_chats_beside_a_short_return_is_bet_on_for_a_long_one(tmp_path: Any) -> None:
+    """llama-server's default RAM keeps everything here, but the only return it has served is a short chat's. That
+    return came after the server had held chats of growing sizes, the long one among them: its RAM (oldest out
+    first) kept them all beside it (`ServerCaches.since`), so the long conversation's return is left to it rather
+    than restored from its file. Bounded by the short prompt's size alone, it was restored, and where short returns
+    were few the requests never went unpinned (a ShareGPT seed's time to first token over the server alone's)."""
+    rng = random.Random(11)
+    with behind_lpcache(tmp_path, None, big_threshold_words=None, meta_max=0) as proxy:
+        with httpx.Client(timeout=600) as client:
+            def ask(messages: list[dict[str, Any]]) -> httpx.Response:
+                r = client.post(f"{proxy.url}/v1/chat/completions",
+                                json={"model": "smollm2", "messages": messages, "max_tokens": 16, "temperature": 0})
+                assert r.status_code == 200, r.text
+                proxy.settle()
+                return r
+
+            def again(chat: list[dict[str, Any]], answer: httpx.Response, text: str) -> list[dict[str, Any]]:
+                return chat + [{"role": "assistant", "content": answer.json()["choices"][0]["message"]["content"]},
+                               {"role": "user", "content": text}]
+
+            short_chat = [{"role": "user", "content": chats.text(rng, 80)}]
+            short_answer = ask(short_chat)
+            # chats of growing sizes, each at most twice what came before it (so the RAM had room to store each)
+            ask([{"role": "user", "content": chats.text(rng, 110)}])
+            ask([{"role": "user", "content": chats.text(rng, 250)}])   # the short chat's slot taken: it goes to RAM
+            long_chat = [{"role": "user", "content": chats.text(rng, 450)}]
+            long_answer = ask(long_chat)
+            for _ in range(2):   # two more chats take both slots over: the long one goes to RAM too
+                ask([{"role": "user", "content": chats.text(rng, 20)}])
+            short_back = ask(again(short_chat, short_answer, "And `git stash apply`? Danke!"))
+            ram = proxy.pipeline.backends[0].ram
+            shown = max((n for _, n in ram.kept_shown), default=0.0)
+            long_back = ask(again(long_chat, long_answer, "Now the same for *Ω* — in one line, please?"))
+            speeds = proxy.pipeline.speeds.items()
+    held = long_answer.json()["usage"]["prompt_tokens"]
+    timings = long_back.json()["timings"]
+    prefill = speeds[0][1].prefill.seconds(held) if speeds else None
+    figures(f"default RAM, auto: a short return served with cache_n={short_back.json()['timings']['cache_n']} of "
+            f"{short_back.json()['usage']['prompt_tokens']}, showing {shown:.0f} tokens kept; the {held}-token "
+            f"conversation's return: restored={long_back.headers.get('x-lpcache-restored')}, cache_n="
+            f"{timings['cache_n']}; its prefill {prefill} s")
+    # the preconditions: the short return was the RAM's (a hit seen), twice it does not cover the long one, and a
+    # miss of the long one would cost more than the bet a prompt's size alone allows
+    assert ram.present is True and shown > 0 and held > 2 * short_back.json()["timings"]["cache_n"], (shown, held)
+    assert prefill is not None and prefill > RAM_BET_SECONDS, f"a {held}-token prefill learnt at {prefill} s"
+    assert long_back.headers.get("x-lpcache-restored") != "true"
+    assert timings["cache_n"] >= 0.9 * held, timings

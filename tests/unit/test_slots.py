@@ -624,6 +624,27 @@ def test_server_caches_remember_the_last_holder_of_the_longest_prefix() -> None:
     assert len(caches) == 10 and caches.find(a.exact) == (0, 6)   # bounded: the oldest digests go first
 
 
+def test_server_caches_count_what_a_server_held_after_a_prompt() -> None:
+    """What a RAM hit shows the RAM kept beside the prompt: the prompts its slots held after it."""
+    from lpcache.cache.server_cache import ServerCaches
+
+    caches = ServerCaches()
+    a, b, c = prompt(text(6)), prompt(text(9, tag="b")), prompt(text(4, tag="c"))
+    caches.held(0, a.exact)
+    assert caches.since(0, a.exact) == 0
+    caches.held(0, b.exact)
+    caches.held(1, c.exact)                           # another server's: not beside a in server 0's RAM
+    assert caches.since(0, prompt(text(8)).exact) == len(b.exact)   # a's return, longer than a
+    assert caches.since(1, a.exact) == 0 and caches.since(0, c.exact) == 0   # held elsewhere
+    caches.held(0, prompt(text(8)).exact)             # a's conversation came back: counted from its new turn
+    assert caches.since(0, prompt(text(8)).exact) == 0
+    caches.held(0, prompt(text(40, tag="long")).exact)   # more than twice a's 8: maybe too big for the RAM to store
+    caches.held(0, prompt(text(10, tag="d")).exact)
+    assert caches.since(0, prompt(text(9)).exact) == 10   # so only what followed within reach counts
+    caches.forget(0)
+    assert caches.since(0, b.exact) == 0 and caches.traffic == {1: len(c.exact)}
+
+
 def test_caches_a_restore_took_from_the_ram_are_remembered_until_held_again() -> None:
     from lpcache.cache.server_cache import LOST_KEPT, LOST_SECONDS, ServerCaches
 
@@ -870,7 +891,21 @@ def test_a_ram_that_missed_nothing_is_bet_on_only_for_prompts_near_the_longest_i
     assert not ram.probe(long_, now=5.0, tokens=3_000)        # of what a RAM keeps
     assert not ram.rely(long_, 0.05, now=4.0 + RAM_RETRY_SECONDS + 1, tokens=1_312)   # forgotten with its hits
     ram.forget()
-    assert not ram.hit_sizes
+    assert not ram.kept_shown
+
+
+def test_a_ram_that_kept_other_prompts_beside_the_one_it_served_is_bet_on_for_that_much() -> None:
+    """A short return served after the server held 2,000 tokens of other chats: its RAM (oldest out first) kept
+    them all, so a long return fits it too. With only short returns, a RAM that holds everything was otherwise
+    never bet on for a long one."""
+    ram = RamWatch()
+    ram.present = True
+    long_ = RAM_BET_SECONDS * 4.5
+    ram.seen(True, now=2.0, tokens=86, beside=90)   # a fifth of the working set: little kept beside it
+    assert not ram.rely(long_, 0.05, now=3.0, tokens=1_312)
+    ram.seen(True, now=4.0, tokens=86, beside=2_000)
+    assert ram.rely(long_, 0.05, now=5.0, tokens=1_312) and ram.rely(long_, 0.05, now=5.0, tokens=2_086)
+    assert not ram.rely(long_, 0.05, now=5.0, tokens=2_087)
 
 
 def test_a_ram_that_said_it_exists_is_tried_once_on_a_long_prompt_before_anything_came_back() -> None:
