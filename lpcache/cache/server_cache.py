@@ -41,7 +41,8 @@ class ServerCaches:
         # chain digest -> (backend index, that backend's `traffic` once the prompt was held)
         self._where: OrderedDict[int, tuple[int, int]] = OrderedDict()
         self.traffic: dict[int, int] = {}   # backend -> blocks of the prompts its slots held, summed
-        self._holds: dict[int, deque[tuple[int, int]]] = {}   # backend -> (traffic once held, blocks), the latest
+        # backend -> the latest prompts its slots held: (the `_where` entry of its chain, its last digest, blocks)
+        self._holds: dict[int, deque[tuple[tuple[int, int], int, int]]] = {}
         # backend -> file name -> (chain, when it was lost, monotonic)
         self._lost: dict[int, OrderedDict[str, tuple[tuple[int, ...], float]]] = {}
 
@@ -52,8 +53,9 @@ class ServerCaches:
         """A slot of `backend` held the prompt of this chain (the server copies it to its RAM once replaced)."""
         where = self._where
         mark = self.traffic[backend] = self.traffic.get(backend, 0) + len(chain)
-        self._holds.setdefault(backend, deque(maxlen=HOLDS_KEPT)).append((mark, len(chain)))
         entry = (backend, mark)   # one tuple for the whole chain
+        if chain:
+            self._holds.setdefault(backend, deque(maxlen=HOLDS_KEPT)).append((entry, chain[-1], len(chain)))
         for digest in chain:
             where[digest] = entry
             where.move_to_end(digest)
@@ -113,13 +115,13 @@ class ServerCaches:
         return None
 
     def since(self, backend: int, chain: Sequence[int]) -> int:
-        """Blocks of prompts `backend`'s slots held after the deepest prompt of the chain it held, that its RAM
-        likely kept beside it when it serves that prompt again: llama-server drops the oldest entries first, so the
-        newer ones it stored are still there; but it stores no entry larger than its whole RAM, and such a prompt
-        leaves the older ones in place. So a prompt counts only if it is at most RAM_BET_GROWTH times what is counted
-        so far (the served prompt first): a long first turn after a short one, in a RAM too small for it, does not
-        (`RamWatch.bets`). Still an overestimate where one of them was taken back out of the RAM meanwhile (a
-        conversation that came back twice). 0 when not found there."""
+        """Blocks of prompts `backend`'s slots held after the deepest prompt of the chain it held, that its RAM kept
+        beside it if it serves that prompt again (`RamWatch.bets`): llama-server drops the oldest entries first, so
+        the newer ones it stored are still there. Only the latest turn of each conversation counts (an entry that a
+        longer one extends is removed; one a restore replaced unseen by the RAM, `gone`, is not there). And it stores
+        no entry larger than its whole RAM, which leaves the older ones in place: so a prompt counts only if it is no
+        longer than what is counted before it (the served prompt first), which the RAM then had room for. A long first
+        turn after a short one, in a RAM too small for it, does not count. 0 when not found there."""
         for depth in range(len(chain), 0, -1):
             found = self._where.get(chain[depth - 1])
             if found is None:
@@ -127,8 +129,9 @@ class ServerCaches:
             if found[0] != backend:
                 return 0
             kept = depth
-            for mark, blocks in self._holds.get(backend, ()):
-                if mark > found[1] and blocks <= RAM_BET_GROWTH * kept:
+            where = self._where
+            for entry, tip, blocks in self._holds.get(backend, ()):
+                if entry[1] > found[1] and blocks <= kept and where.get(tip) is entry:
                     kept += blocks
             return kept - depth
         return 0

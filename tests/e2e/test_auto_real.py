@@ -289,10 +289,11 @@ def test_a_ram_too_small_for_a_long_return_is_not_bet_on_and_its_file_is_restore
 
 def test_a_ram_that_kept_other_chats_beside_a_short_return_is_bet_on_for_a_long_one(tmp_path: Any) -> None:
     """llama-server's default RAM keeps everything here, but the only return it has served is a short chat's. That
-    return came after the server had held chats of growing sizes, the long one among them: its RAM (oldest out
-    first) kept them all beside it (`ServerCaches.since`), so the long conversation's return is left to it rather
-    than restored from its file. Bounded by the short prompt's size alone, it was restored, and where short returns
-    were few the requests never went unpinned (a ShareGPT seed's time to first token over the server alone's)."""
+    return came after the server had held chats of growing sizes, the long one among them, each no longer than all
+    before it: its RAM (oldest out first) had room for each and kept them all beside it (`ServerCaches.since`), so
+    the long conversation's return is left to it rather than restored from its file. Bounded by the short prompt's
+    size alone, it was restored, and where short returns were few the requests never went unpinned (a ShareGPT
+    seed's time to first token over the server alone's)."""
     rng = random.Random(11)
     with behind_lpcache(tmp_path, None, big_threshold_words=None, meta_max=0) as proxy:
         with httpx.Client(timeout=600) as client:
@@ -309,16 +310,17 @@ def test_a_ram_that_kept_other_chats_beside_a_short_return_is_bet_on_for_a_long_
 
             short_chat = [{"role": "user", "content": chats.text(rng, 80)}]
             short_answer = ask(short_chat)
-            # chats of growing sizes, each at most twice what came before it (so the RAM had room to store each)
-            ask([{"role": "user", "content": chats.text(rng, 110)}])
-            ask([{"role": "user", "content": chats.text(rng, 250)}])   # the short chat's slot taken: it goes to RAM
-            long_chat = [{"role": "user", "content": chats.text(rng, 450)}]
+            # chats of growing sizes, each no longer than all before it (so the RAM had room to store each)
+            ask([{"role": "user", "content": chats.text(rng, 60)}])
+            ask([{"role": "user", "content": chats.text(rng, 100)}])   # the short chat's slot taken: it goes to RAM
+            long_chat = [{"role": "user", "content": chats.text(rng, 200)}]
             long_answer = ask(long_chat)
             for _ in range(2):   # two more chats take both slots over: the long one goes to RAM too
                 ask([{"role": "user", "content": chats.text(rng, 20)}])
             short_back = ask(again(short_chat, short_answer, "And `git stash apply`? Danke!"))
             ram = proxy.pipeline.backends[0].ram
             shown = max((n for _, n in ram.kept_shown), default=0.0)
+            in_slots = max((s.content.tokens or 0) for s in proxy.pipeline.pool.slots if s.content is not None)
             long_back = ask(again(long_chat, long_answer, "Now the same for *Ω* — in one line, please?"))
             speeds = proxy.pipeline.speeds.items()
     held = long_answer.json()["usage"]["prompt_tokens"]
@@ -328,9 +330,11 @@ def test_a_ram_that_kept_other_chats_beside_a_short_return_is_bet_on_for_a_long_
             f"{short_back.json()['usage']['prompt_tokens']}, showing {shown:.0f} tokens kept; the {held}-token "
             f"conversation's return: restored={long_back.headers.get('x-lpcache-restored')}, cache_n="
             f"{timings['cache_n']}; its prefill {prefill} s")
-    # the preconditions: the short return was the RAM's (a hit seen), twice it does not cover the long one, and a
-    # miss of the long one would cost more than the bet a prompt's size alone allows
+    # the preconditions: the short return was the RAM's (a hit seen), twice it does not cover the long one, no slot
+    # holds the long one any more (its return can only come from the RAM or its file), and a miss of it would cost
+    # more than the bet a prompt's size alone allows
     assert ram.present is True and shown > 0 and held > 2 * short_back.json()["timings"]["cache_n"], (shown, held)
+    assert in_slots < held / 2, (in_slots, held)
     assert prefill is not None and prefill > RAM_BET_SECONDS, f"a {held}-token prefill learnt at {prefill} s"
     assert long_back.headers.get("x-lpcache-restored") != "true"
     assert timings["cache_n"] >= 0.9 * held, timings

@@ -624,25 +624,31 @@ def test_server_caches_remember_the_last_holder_of_the_longest_prefix() -> None:
     assert len(caches) == 10 and caches.find(a.exact) == (0, 6)   # bounded: the oldest digests go first
 
 
-def test_server_caches_count_what_a_server_held_after_a_prompt() -> None:
-    """What a RAM hit shows the RAM kept beside the prompt: the prompts its slots held after it."""
+def test_server_caches_count_what_a_server_s_ram_kept_after_a_prompt() -> None:
+    """What a RAM hit shows the RAM kept beside the prompt: the latest turn of each prompt its slots held after it,
+    each no longer than what is counted before it (the RAM had room to store it)."""
     from lpcache.cache.server_cache import ServerCaches
 
     caches = ServerCaches()
-    a, b, c = prompt(text(6)), prompt(text(9, tag="b")), prompt(text(4, tag="c"))
+    a, b, c = prompt(text(6)), prompt(text(5, tag="b")), prompt(text(4, tag="c"))
+    back = prompt(text(8)).exact                      # a's return
     caches.held(0, a.exact)
-    assert caches.since(0, a.exact) == 0
+    assert caches.since(0, back) == 0
     caches.held(0, b.exact)
     caches.held(1, c.exact)                           # another server's: not beside a in server 0's RAM
-    assert caches.since(0, prompt(text(8)).exact) == len(b.exact)   # a's return, longer than a
-    assert caches.since(1, a.exact) == 0 and caches.since(0, c.exact) == 0   # held elsewhere
-    caches.held(0, prompt(text(8)).exact)             # a's conversation came back: counted from its new turn
-    assert caches.since(0, prompt(text(8)).exact) == 0
-    caches.held(0, prompt(text(40, tag="long")).exact)   # more than twice a's 8: maybe too big for the RAM to store
-    caches.held(0, prompt(text(10, tag="d")).exact)
-    assert caches.since(0, prompt(text(9)).exact) == 10   # so only what followed within reach counts
+    assert caches.since(0, back) == 5
+    assert caches.since(1, back) == 0 and caches.since(0, c.exact) == 0   # held elsewhere
+    caches.held(0, prompt(text(40, tag="long")).exact)   # longer than all counted: maybe too big to store
+    caches.held(0, prompt(text(4, tag="d")).exact)
+    assert caches.since(0, back) == 5 + 4
+    caches.held(0, prompt(text(6, tag="d")).exact)    # d's next turn: its RAM entry replaces the first
+    assert caches.since(0, back) == 5 + 6
+    caches.gone(0, b.exact)                           # a restore replaced b before the RAM copied it
+    assert caches.since(0, back) == 6
+    caches.held(0, back)                              # a's conversation came back: counted from its new turn
+    assert caches.since(0, prompt(text(9)).exact) == 0
     caches.forget(0)
-    assert caches.since(0, b.exact) == 0 and caches.traffic == {1: len(c.exact)}
+    assert caches.since(0, prompt(text(6, tag="d")).exact) == 0 and caches.traffic == {1: len(c.exact)}
 
 
 def test_caches_a_restore_took_from_the_ram_are_remembered_until_held_again() -> None:
