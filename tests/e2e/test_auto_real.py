@@ -67,6 +67,15 @@ def behind_lpcache(tmp_path: Any, cache_ram: int | None, **settings: Any) -> Ite
             proxy.stop()
 
 
+def answered(client: httpx.Client, proxy: Proxy, messages: list[dict[str, Any]]) -> httpx.Response:
+    """One chat request through lpcache (16 tokens, greedy), answered with a 200, and lpcache settled after it."""
+    r = client.post(f"{proxy.url}/v1/chat/completions",
+                    json={"model": "smollm2", "messages": messages, "max_tokens": 16, "temperature": 0})
+    assert r.status_code == 200, r.text
+    proxy.settle()
+    return r
+
+
 def metric(proxy: Proxy, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in proxy.client.get("/metrics").text.splitlines()
                if line.startswith(name))
@@ -261,11 +270,7 @@ def test_a_ram_too_small_for_a_long_return_is_not_bet_on_and_its_file_is_restore
     with behind_lpcache(tmp_path, 2, big_threshold_words=None, meta_max=0) as proxy:
         with httpx.Client(timeout=600) as client:
             def ask(messages: list[dict[str, Any]]) -> httpx.Response:
-                r = client.post(f"{proxy.url}/v1/chat/completions",
-                                json={"model": "smollm2", "messages": messages, "max_tokens": 16, "temperature": 0})
-                assert r.status_code == 200, r.text
-                proxy.settle()
-                return r
+                return answered(client, proxy, messages)
 
             long_chat = [{"role": "user", "content": chats.text(rng, 450)}]
             first = ask(long_chat)
@@ -298,11 +303,7 @@ def test_a_ram_that_kept_other_chats_beside_a_short_return_is_bet_on_for_a_long_
     with behind_lpcache(tmp_path, None, big_threshold_words=None, meta_max=0) as proxy:
         with httpx.Client(timeout=600) as client:
             def ask(messages: list[dict[str, Any]]) -> httpx.Response:
-                r = client.post(f"{proxy.url}/v1/chat/completions",
-                                json={"model": "smollm2", "messages": messages, "max_tokens": 16, "temperature": 0})
-                assert r.status_code == 200, r.text
-                proxy.settle()
-                return r
+                return answered(client, proxy, messages)
 
             def again(chat: list[dict[str, Any]], answer: httpx.Response, text: str) -> list[dict[str, Any]]:
                 return chat + [{"role": "assistant", "content": answer.json()["choices"][0]["message"]["content"]},
