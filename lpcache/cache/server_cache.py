@@ -108,10 +108,15 @@ class ServerCaches:
 
     def find(self, chain: Sequence[int]) -> tuple[int, int] | None:
         """(backend, blocks): the server that last held the longest prefix of the chain, and how much of it."""
+        deepest = self._deepest(chain)
+        return None if deepest is None else (deepest[0][0], deepest[1])
+
+    def _deepest(self, chain: Sequence[int]) -> tuple[tuple[int, int], int] | None:
+        """(the `_where` entry, blocks) of the longest prefix of the chain held anywhere."""
         for depth in range(len(chain), 0, -1):
             found = self._where.get(chain[depth - 1])
             if found is not None:
-                return found[0], depth
+                return found, depth
         return None
 
     def since(self, backend: int, chain: Sequence[int]) -> int:
@@ -122,19 +127,16 @@ class ServerCaches:
         no entry larger than its whole RAM, which leaves the older ones in place: so a prompt counts only if it is no
         longer than what is counted before it (the served prompt first), which the RAM then had room for. A long first
         turn after a short one, in a RAM too small for it, does not count. 0 when not found there."""
-        for depth in range(len(chain), 0, -1):
-            found = self._where.get(chain[depth - 1])
-            if found is None:
-                continue
-            if found[0] != backend:
-                return 0
-            kept = depth
-            where = self._where
-            for entry, tip, blocks in self._holds.get(backend, ()):
-                if entry[1] > found[1] and blocks <= kept and where.get(tip) is entry:
-                    kept += blocks
-            return kept - depth
-        return 0
+        deepest = self._deepest(chain)
+        if deepest is None or deepest[0][0] != backend:
+            return 0
+        (_, mark), depth = deepest
+        kept = depth
+        where = self._where
+        for entry, tip, blocks in self._holds.get(backend, ()):
+            if entry[1] > mark and blocks <= kept and where.get(tip) is entry:
+                kept += blocks
+        return kept - depth
 
 
 class RamWatch:
