@@ -155,12 +155,27 @@ def stop_run(work: Path, *started: _Stoppable | None) -> None:
     shutil.rmtree(work, ignore_errors=True)
 
 
+def shared_cores(servers: int, concurrency: int) -> int | None:
+    """Each server's `-t` when several servers on this machine compute at the same time: its share of the cores.
+
+    llama-server's threads wait for each other at every step of a batch by spinning; two servers with a thread per
+    core each, both busy, leave each waiting for threads the other has descheduled (`two-12`'s first round, nothing
+    cached yet: 67 s through lpcache against the server alone's 24 on 2 cores; 24 with a core each). Two servers
+    sharing one machine are given a share of its cores each, as they would be run. One request at a time (`two`)
+    keeps the default: one server computes while the other waits."""
+    if servers < 2 or concurrency < 2:
+        return None
+    return max(1, (os.cpu_count() or 1) // servers)
+
+
 class Servers:
     """n llama-servers with their slot folders; `restart()` stops and starts each on its port (empty; with
-    `erase`, their slot-save folders emptied too, so the next run starts as the first did)."""
+    `erase`, their slot-save folders emptied too, so the next run starts as the first did). `threads` is each
+    server's `-t` (llama-server's default, the machine's cores, when None)."""
 
-    def __init__(self, work: Path, n: int, n_slots: int, cache_ram: int | None) -> None:
-        self.args = {"n_slots": n_slots, "cache_ram": cache_ram, "extra": ["--metrics"]}
+    def __init__(self, work: Path, n: int, n_slots: int, cache_ram: int | None, threads: int | None = None) -> None:
+        extra = ["--metrics", *(["-t", str(threads)] if threads else [])]
+        self.args = {"n_slots": n_slots, "cache_ram": cache_ram, "extra": extra}
         self.dirs = [str(work / f"slots{i}") for i in range(n)]
         self.servers = [LlamaServer(d, **self.args) for d in self.dirs]  # type: ignore[arg-type]
 

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from _common import Servers, redis_commands, table
+from _common import Servers, redis_commands, shared_cores, table
 from replay import metric, replay
 
 from lpcache.workloads.harness import REPO, LpcacheProcess, RedisServer
@@ -228,7 +228,7 @@ def run(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str, Any]:
     servers = None
     runs = []
     try:
-        servers = Servers(work, N_SERVERS, N_SLOTS, CACHE_RAM)
+        servers = Servers(work, N_SERVERS, N_SLOTS, CACHE_RAM, threads=shared_cores(N_SERVERS, args.scale_concurrency))
         for i, setup in enumerate(s for s in SETUPS if s.key in chosen):
             if i:
                 servers.restart(erase=True)

@@ -11,7 +11,8 @@ starts it (`python -m lpcache` with its settings in the environment), then repla
     two         two llama-servers (-np 1 --cache-ram 0 each) behind lpcache, against one (-np 2 --cache-ram 0) alone
     sessions    -np 1 --cache-ram 0, requests with X-Session-ID (session mode)
     ram0-c4     as ram0, four requests at a time
-    two-12      two llama-servers behind lpcache, 12 conversations two at a time, against one alone
+    two-12      two llama-servers behind lpcache (half the cores each), 12 conversations two at a time, against one
+                alone
     agents      coding-agent sessions through the Responses and Messages APIs (bench/agents_scenario.py: its own
                 workload, setups, table and markers)
     scale       two llama-servers behind one lpcache, behind two lpcache replicas sharing one Redis (each request to
@@ -44,7 +45,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import agents_scenario  # noqa: E402
 import scale_scenario  # noqa: E402
-from _common import Servers, llama_machine_text, replace_section, table  # noqa: E402
+from _common import Servers, llama_machine_text, replace_section, shared_cores, table  # noqa: E402
 from replay import replay  # noqa: E402
 
 from lpcache.workloads.harness import REPO, LpcacheProcess, llama_paths  # noqa: E402
@@ -85,9 +86,9 @@ SCENARIOS = (
     Scenario("sessions", "Sessions on one slot (-np 1 --cache-ram 0), X-Session-ID sent", n_slots=1, cache_ram=0,
              session=True),
     Scenario("ram0-c4", "As ram0, four requests at a time", cache_ram=0, concurrency=4),
-    Scenario("two-12", "Two llama-servers (-np 2, default --cache-ram) behind lpcache, 12 conversations (4 users x 3 "
-             "kinds) two at a time; one llama-server (-np 2, default --cache-ram) alone", servers=2, concurrency=2,
-             users=4),
+    Scenario("two-12", "Two llama-servers (-np 2, default --cache-ram, half the cores each) behind lpcache, 12 "
+             "conversations (4 users x 3 kinds) two at a time; one llama-server (-np 2, default --cache-ram) alone",
+             servers=2, concurrency=2, users=4),
 )
 
 
@@ -102,7 +103,7 @@ def one_run(scenario: Scenario, workload: Sequence[Turn], policy: str | None, sa
     work = Path(tempfile.mkdtemp(prefix=f"bench-{scenario.name}-"))
     n = scenario.servers if policy else 1
     slots = scenario.n_slots if policy or scenario.alone_slots is None else scenario.alone_slots
-    servers = Servers(work, n, slots, scenario.cache_ram)
+    servers = Servers(work, n, slots, scenario.cache_ram, threads=shared_cores(n, scenario.concurrency))
     proxy = None
     try:
         url = servers.servers[0].url
