@@ -103,8 +103,14 @@ def _warm_slot(idle: Sequence[Slot], prompt: Prompt | None, warm: tuple[int, int
     there = [s for s in idle if s.backend == warm[0] and s.used and s.content is not None]
     if not there:
         return None
-    return min(there, key=lambda s: (common_prefix(s.content.chain, prompt.exact) if s.content else 0,
-                                     s.last_used, s.id))
+    least = min(there, key=lambda s: (common_prefix(s.content.chain, prompt.exact) if s.content else 0,
+                                      s.last_used, s.id))
+    if least.content is not None and warm[1] < common_prefix(least.content.chain, prompt.exact) + 2:
+        # every idle slot there shares about what the RAM likely holds (a system prompt all prompts start with,
+        # under the share `resident` counts): the RAM would give nothing the slot does not, and its outcome
+        # would read as a miss
+        return None
+    return least
 
 
 RESIDENT_MIN_SHARE = 0.1   # a slot sharing less of the prompt is not worth taking for it (llama-server's -sps)

@@ -55,8 +55,9 @@ GAPS_KEPT = 64            # recent gaps between a prompt and its continuation (t
 SERVED_SHARE = 0.9        # cache_n at least this share of the earlier prompt's tokens: something held it
 MISSED_KINDS = ("threshold", "limit", "not_worth")
 # Why a cache was (first two) or was not saved under auto: worth a file; saved to learn what a save costs (`probe`);
-# no save measured yet and its prefill too short to learn from; not worth a file; no prefill speed known yet.
-DECISIONS = ("worth", "probe", "probe_too_short", "not_worth", "no_speed")
+# no save measured yet and its prefill too short to learn from; not worth a file; no prefill speed known yet; worth
+# a file, but left to the server's RAM prompt cache, which has shown it keeps one that long, while requests wait.
+DECISIONS = ("worth", "probe", "probe_too_short", "not_worth", "no_speed", "left_to_ram")
 
 
 @dataclass(slots=True)
@@ -152,10 +153,13 @@ class Worth:
         self._told: set[str] = set()
 
     def decide(self, speeds: Speeds, tokens: int | None, prefill_ms: float | None,
-               prompt_n: int | None, ram_miss: float = 1.0) -> tuple[bool, str]:
+               prompt_n: int | None, ram_miss: float = 1.0, ram_keeps: bool = False) -> tuple[bool, str]:
         """Whether a cache of `tokens` tokens (prompt and answer) is worth saving at these speeds, and why (one of
         DECISIONS). `ram_miss`: the share of prompts left to the server's RAM prompt cache that it missed lately
-        (`server_cache.RamWatch.miss_rate`, 1 when unknown): a return the RAM serves needs no file."""
+        (`server_cache.RamWatch.miss_rate`, 1 when unknown): a return the RAM serves needs no file. `ram_keeps`:
+        that RAM has shown it keeps a cache this long, and requests wait for a slot: a save now would cost them its
+        wait for the server's batch under way, and the server copies the cache to its RAM anyway when the slot is
+        taken (`flow.saving.Saver.ram_keeps`), so a cache worth a file is left to the RAM."""
         if not tokens:
             return self._count(False, "no_speed")
         p = speeds.prefill.ms_per_token
@@ -168,6 +172,8 @@ class Worth:
             probe = p * tokens >= PROBE_SECONDS * 1000.0
             return self._count(probe, "probe" if probe else "probe_too_short")
         worth = self._spares(p, speeds, tokens, ram_miss) > MARGIN * s * tokens
+        if worth and ram_keeps:
+            return self._count(False, "left_to_ram")
         return self._count(worth, "worth" if worth else "not_worth")
 
     def spares_ms(self, speeds: Speeds, tokens: int, ram_miss: float = 1.0) -> float | None:

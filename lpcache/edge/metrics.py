@@ -214,7 +214,8 @@ class Metrics:
                                       "backend's learnt speed", ["kind"], registry=r)
         self.decisions = Counter("lpcache_save_decisions", "BIG_THRESHOLD_WORDS=auto: answered requests by whether "
                                  "their cache was worth a file (worth, probe: saved to learn a save's cost) or not "
-                                 "(not_worth, probe_too_short, no_speed)", ["decision"], registry=r)
+                                 "(not_worth, probe_too_short, no_speed; left_to_ram: worth one, left to the "
+                                 "server's RAM cache while requests wait)", ["decision"], registry=r)
         buckets = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
         self.ttft = Histogram("lpcache_time_to_first_token_seconds", "Seconds from a streamed request's arrival "
                               "to its first chunk", buckets=buckets, registry=r)

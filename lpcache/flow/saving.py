@@ -31,7 +31,7 @@ from lpcache.cache.meta_files import prefix_file
 from lpcache.cache.prefix import Prompt
 from lpcache.cache.server_cache import ServerCaches
 from lpcache.cache.sessions import SessionBook, route_name
-from lpcache.cache.speeds import SpeedBook
+from lpcache.cache.speeds import SpeedBook, Speeds
 from lpcache.cache.worth import Seen, Worth
 from lpcache.config import Settings
 from lpcache.errors import SharedStoreDown
@@ -113,6 +113,7 @@ class Saver:
         # BIG_THRESHOLD_WORDS=auto's decisions, and what came back of the prompts seen (under any setting)
         self.worth = Worth(settings.big_threshold_words is None, settings.big_threshold_words, settings.meta_max)
         self._verdicts: dict[tuple[int, str], bool] = {}
+        self._left_to_ram: set[int] = set()   # backends whose `save_left_to_ram` line was logged
 
     async def file_name(self, backend: Backend, content: Content) -> Content:
         """The name a prefix cache is saved under: its own, or on a backend whose folder lpcache cannot see (and
@@ -224,11 +225,18 @@ class Saver:
         why = ""
         if worth.auto:
             ram_miss = backend.ram.miss_rate(now)
-            big, decision = worth.decide(speeds, content.tokens, record.prefill_ms, record.prompt_n, ram_miss)
+            keeps = not session and self.ram_keeps(backend, content.tokens, speeds, now)
+            big, decision = worth.decide(speeds, content.tokens, record.prefill_ms, record.prompt_n, ram_miss, keeps)
             record.big, record.save_decision = big, decision
             content = replace(content, keep=big)
             why = "" if big else "not_worth"
-            if decision != "probe" and self._verdicts.get((backend.index, served)) != big:
+            if decision == "left_to_ram" and backend.index not in self._left_to_ram:
+                self._left_to_ram.add(backend.index)
+                log.info("save_left_to_ram backend=%s tokens=%s: a cache worth a file is left to the server's RAM "
+                         "prompt cache, which has shown it keeps caches this long, while requests wait for a slot "
+                         "(a save would make them wait for the server's batch under way; shown once)",
+                         backend.url, content.tokens)
+            elif decision not in ("probe", "left_to_ram") and self._verdicts.get((backend.index, served)) != big:
                 self._verdicts[(backend.index, served)] = big
                 log.info("save_verdict backend=%s model=%s worth=%s tokens=%s %s: caches like this one are %s",
                          backend.url, served, str(big).lower(), content.tokens, worth.describe(speeds, ram_miss),
@@ -241,6 +249,20 @@ class Saver:
                                                  record.prompt_tokens or content.tokens, prompt.n_words,
                                                  content.key, why, now))
         return big, content
+
+    def ram_keeps(self, backend: Backend, tokens: int | None, speeds: Speeds, now: float) -> bool:
+        """Whether a prefix cache of `tokens` is better left to the server's RAM prompt cache than saved now: the
+        start-up check found one (`backends.ram_check`), it has missed nothing lately and has shown it keeps caches
+        this long (`RamWatch.bets`), and requests wait for a slot. A save's `/slots` call waits for the server's
+        batch under way, another slot's prefill (seconds on a CPU), and holds the slot meanwhile, so the request
+        next in line waits for that batch and then for the next; the server alone would have started it in the
+        batch after. A production chat trace at the default RAM (docs/benchmarks.md, 2026-12-07): 59 saves, 0
+        restores, one save of 186 tokens waiting 11.6 s, the time to first token 5 % over the server alone's.
+        When the slot is taken, the server copies the cache to its RAM, which keeps caches of that size."""
+        ram = backend.ram
+        if not ram.present or not tokens or not self.pool.waiting or not all(ram.recent(now)):
+            return False
+        return ram.bets(tokens, speeds.prefill.seconds(tokens), now)
 
     async def save_session(self, choice: Choice, backend: Backend, content: Content,
                            record: RequestRecord) -> Content:

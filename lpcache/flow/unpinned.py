@@ -8,21 +8,24 @@ long prefill of another slot: seconds), and the slot stands idle meanwhile. Wher
 serves the returns, pinning buys nothing, and that hand-over is all it costs (BIG_THRESHOLD_WORDS=auto, the default
 RAM cache holding the working set: docs/benchmarks.md).
 
-How: per backend, five states. `pinned` (lpcache's usual way); `to_unpinned`: once the RAM has served the last
-RAM_TRUST prompts left to it and nothing was saved for the last QUIET_REQUESTS requests there (but what a slot held,
-saved only because a restore would take it out of the RAM's reach: `ram_reach.keeps`), no slot of the backend is
-handed out until the pinned requests under way have ended; `unpinned`: each request takes a slot of the pool as
-before (the pool's line, classes and fair shares still decide who goes next) but is sent without `id_slot`, and
-gives its slot back at its first token, while the server still generates: the next one is then queued inside the
-server. `to_pinned`: when a prompt left to the server comes back short by more than RAM_BET_SECONDS of prefill, or
-such small misses add up to more within RAM_RETRY_SECONDS (a miss: files would spare something again; one short chat
-turn's entry that another chat's first prompt took from the RAM costs less than pinning does, and the server alone
-loses it the same way), no slot is handed out until every unpinned request has ended, and (`draining`) until the
-server says its slots are idle; only then is a request pinned again, every slot's content unknown. The same switch
-is made ahead of a miss when a saved file holds much more of a prompt than the server's RAM likely does
-(`pins_for_file`). The two kinds never overlap on a backend: llama-server b11434 runs its RAM cache's load on a
-pinned slot even while that slot computes another request (`get_available_slot`, "Pinned + busy slot" in the
-llama-server notes).
+How: per backend, five states. `pinned` (lpcache's usual way); `to_unpinned`: once nothing was saved for the last
+QUIET_REQUESTS requests there (but what a slot held, saved only because a restore would take it out of the RAM's
+reach: `ram_reach.keeps`) and either the RAM has served the last RAM_TRUST prompts left to it, or those requests'
+caches were all judged not worth a file (few prompts come back: pinning would spare nothing) on a server whose RAM
+cache the check found and that has missed nothing lately (a production chat trace's requests, which seldom come back
+within minutes, gave the RAM too few returns to be trusted: pinned throughout, TTFT p50 5 % over the server
+alone's), no slot of the backend is handed out until the pinned requests under way have ended; `unpinned`: each
+request takes a slot of the pool as before (the pool's line, classes and fair shares still decide who goes next) but
+is sent without `id_slot`, and gives its slot back at its first token, while the server still generates: the next
+one is then queued inside the server. `to_pinned`: when a prompt left to the server comes back short by more than
+RAM_BET_SECONDS of prefill, or such small misses add up to more within RAM_RETRY_SECONDS (a miss: files would spare
+something again; one short chat turn's entry that another chat's first prompt took from the RAM costs less than
+pinning does, and the server alone loses it the same way), no slot is handed out until every unpinned request has
+ended, and (`draining`) until the server says its slots are idle; only then is a request pinned again, every slot's
+content unknown. The same switch is made ahead of a miss when a saved file holds much more of a prompt than the
+server's RAM likely does (`pins_for_file`). The two kinds never overlap on a backend: llama-server b11434 runs its
+RAM cache's load on a pinned slot even while that slot computes another request (`get_available_slot`, "Pinned +
+busy slot" in the llama-server notes).
 
 Only where nothing else needs a slot pinned: one backend, no REDIS_URL (another replica's pins), not a router,
 BIG_THRESHOLD_WORDS=auto, and the backend's caches enabled. No save, restore or idle save is made there meanwhile.
@@ -81,6 +84,7 @@ class UnpinnedMode:
         self.state = {b.index: PINNED for b in self.backends}
         self.inflight = {b.index: 0 for b in self.backends}   # unpinned requests sent and not over
         self.quiet = {b.index: 0 for b in self.backends}      # pinned requests in a row with nothing saved
+        self.unworthy = {b.index: 0 for b in self.backends}   # ... whose caches auto judged not worth a file
         self.called_off = {b.index: 0 for b in self.backends}   # switches to unpinned called off lately
         self.pinned_after = {b.index: 0.0 for b in self.backends}   # no switch back to pinned before (monotonic)
         self.timers: dict[int, asyncio.TimerHandle] = {}
@@ -202,6 +206,9 @@ class UnpinnedMode:
         b = backend.index
         if self.state[b] != PINNED or not self.eligible(backend):
             return
+        # files do not pay here: its cache judged not worth one, and nothing restored for it
+        self.unworthy[b] = (self.unworthy[b] + 1 if record.save_decision in ("not_worth", "left_to_ram")
+                            and not record.restored else 0)
         if record.saved or (record.swap_saved and not record.saved_for_ram) or record.reason is not None:
             # (neither a restore of a file saved earlier counts, nor the save of what the slot held before it made
             # only so that the restore does not take that out of the server's RAM reach: unpinned, the RAM would
@@ -213,10 +220,19 @@ class UnpinnedMode:
         mine = [s for s in self.pool.slots if s.backend == b]
         if any(s.content is not None and s.content.dirty for s in mine):
             return   # a cache worth a file, not saved yet (deferred): saved when its slot is next taken, pinned
-        if self.quiet[b] >= QUIET_REQUESTS << self.called_off[b] and len(recent) >= RAM_TRUST and all(recent):
+        quiet = QUIET_REQUESTS << self.called_off[b]
+        if self.quiet[b] < quiet or not all(recent):
+            return
+        if len(recent) >= RAM_TRUST:
             log.info("unpinned_on url=%s: llama-server's RAM prompt cache served the last %d prompts left to it and "
                      "nothing worth a file was saved for the last %d requests; requests go unpinned and the server "
                      "queues them", backend.url, len(recent), self.quiet[b])
+            self._switch(b, TO_UNPINNED)
+        elif self.unworthy[b] >= quiet and backend.ram.present:
+            log.info("unpinned_on url=%s: the last %d requests' caches were not worth a file (few prompts come back "
+                     "here) and the server has a RAM prompt cache that missed none of the %d prompts left to it "
+                     "lately; requests go unpinned and the server queues them", backend.url, self.unworthy[b],
+                     len(recent))
             self._switch(b, TO_UNPINNED)
 
     # ---- the switches ----
@@ -225,7 +241,7 @@ class UnpinnedMode:
         if self.state[backend] != {TO_PINNED: UNPINNED, TO_UNPINNED: PINNED}[state]:
             return   # already switching, or there
         self.state[backend] = state
-        self.quiet[backend] = 0
+        self.quiet[backend] = self.unworthy[backend] = 0
         self.timers[backend] = asyncio.get_running_loop().call_later(SWITCH_SECONDS, self._call_off, backend, state)
         self._advance(backend)
 

@@ -609,6 +609,17 @@ def test_choose_sends_a_prompt_no_slot_or_file_holds_to_the_server_whose_ram_lik
     assert choose([holder, b_busy_before], p, None, warm=(1, 10, True)).slot is b_busy_before
 
 
+def test_a_ram_that_likely_holds_no_more_than_a_system_prompt_the_slots_share_is_not_steered_to() -> None:
+    system = text(3, tag="sys")
+    p = prompt(system + " " + text(40, tag="q"))
+    a = slot(0, 0, used=True, last_used=1.0, content=content_of(prompt(system + " " + text(50, tag="x"))))
+    b = slot(0, 1, used=True, last_used=2.0, content=content_of(prompt(system + " " + text(50, tag="y"))))
+    c = choose([a, b], p, None, warm=(0, 3, True))   # the RAM's deepest: the system prompt, which both slots hold
+    assert not c.warm and c.slot is a                 # the coldest, computed as any prompt the RAM does not hold
+    c = choose([a, b], p, None, warm=(0, 6, True))   # the RAM holds more: three blocks of this conversation
+    assert c.warm and c.warm_blocks == 6
+
+
 def test_server_caches_remember_the_last_holder_of_the_longest_prefix() -> None:
     from lpcache.cache.server_cache import ServerCaches
 

@@ -119,6 +119,36 @@ def test_a_save_made_only_so_that_a_restore_keeps_the_ram_s_reach_is_quiet_and_a
     asyncio.run(run())
 
 
+def test_caches_not_worth_a_file_on_a_server_whose_ram_the_check_found_go_unpinned_before_the_ram_is_trusted() -> None:
+    def unworthy(mode: UnpinnedMode, backend: Backend, n: int, **fields: Any) -> None:
+        for _ in range(n):
+            mode.observe(backend, RequestRecord(save_decision="not_worth", **fields))
+
+    async def run() -> None:
+        mode, backend, _, _ = _setup()
+        backend.ram.present = True                          # the check found a RAM cache
+        unworthy(mode, backend, QUIET_REQUESTS - 1)
+        mode.observe(backend, RequestRecord(save_decision="probe_too_short"))   # nothing said of what a file is worth
+        unworthy(mode, backend, QUIET_REQUESTS - 1)
+        mode.observe(backend, RequestRecord(save_decision="not_worth", restored=True))   # a file spared a prefill
+        unworthy(mode, backend, QUIET_REQUESTS - 1)
+        assert mode.state[0] == "pinned" and mode.quiet[0] >= QUIET_REQUESTS
+        backend.ram.seen(False, time.monotonic(), 0)        # the RAM missed a return lately
+        unworthy(mode, backend, 1)
+        assert mode.state[0] == "pinned" and mode.unworthy[0] == QUIET_REQUESTS
+        backend.ram.outcomes.clear()
+        for present in (None, False):                       # not asked whether it has a RAM, or it has none
+            backend.ram.present = present
+            unworthy(mode, backend, 1)
+            assert mode.state[0] == "pinned"
+        backend.ram.present = True
+        backend.ram.seen(True, time.monotonic(), 900)       # one hit: fewer than RAM_TRUST, not trusted on its own
+        unworthy(mode, backend, 1)
+        assert mode.state[0] == "unpinned" and mode.unworthy[0] == 0
+
+    asyncio.run(run())
+
+
 def test_a_miss_pins_again_only_after_every_unpinned_request_and_the_server_s_slots() -> None:
     async def run() -> None:
         mode, backend, pool, spawned = _unpinned_now(busy_polls=2)

@@ -4,11 +4,14 @@ a backend showed, and what a fixed setting costs."""
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 
+from lpcache.cache.server_cache import RamWatch
 from lpcache.cache.speeds import Speeds
 from lpcache.cache.worth import HORIZON_MIN, NEED_PRIOR, PROBE_SECONDS, ReturnWatch, Seen, Worth
+from lpcache.flow.saving import Saver
 
 
 def seen(depth: int, tokens: int = 500, why: str = "", at: float = 0.0, key: str = "k", words: int = 80) -> Seen:
@@ -103,6 +106,41 @@ def test_the_need_rate_decides_where_the_prefill_is_only_a_few_times_the_disk() 
     for _ in range(20):
         worth.watch.resolve(False)                           # needed 1 time in 22: 0.045 x 0.9 < 2 x 0.1
     assert not worth.decide(middle, 1000, None, None)[0]
+
+
+def test_a_cache_worth_a_file_is_left_to_a_ram_that_keeps_it_while_requests_wait() -> None:
+    worth = Worth(auto=True, threshold=None, meta_max=0)
+    middle = speeds(prefill=1.0, save=0.1, restore=0.1)
+    assert worth.decide(middle, 1000, None, None, ram_keeps=True) == (False, "left_to_ram")
+    assert worth.decide(middle, 1000, None, None) == (True, "worth")
+    for _ in range(20):
+        worth.watch.resolve(False)
+    assert worth.decide(middle, 1000, None, None, ram_keeps=True) == (False, "not_worth")   # not worth one anyway
+    assert worth.decisions["left_to_ram"] == 1
+
+
+def test_the_ram_keeps_a_cache_only_where_the_check_found_it_it_missed_nothing_it_showed_that_size_and_one_waits(
+) -> None:
+    backend = SimpleNamespace(ram=RamWatch())
+    saver = SimpleNamespace(pool=SimpleNamespace(waiting=1))
+    cpu = speeds(prefill=4.0)                 # 250 tokens: a second of prefill, the bet's bound when nothing is seen
+
+    def keeps(tokens: int, now: float = 100.0) -> bool:
+        return Saver.ram_keeps(saver, backend, tokens, cpu, now)  # type: ignore[arg-type]
+
+    assert not keeps(200)                     # not asked whether it has a RAM
+    backend.ram.present = True
+    assert keeps(200) and not keeps(800)      # a second's miss at most; longer than it has shown it keeps
+    backend.ram.seen(True, 90.0, 600)         # it served 600 tokens: up to twice that
+    assert keeps(800) and keeps(1200) and not keeps(1300)
+    saver.pool.waiting = 0
+    assert not keeps(200)                     # no request waits: a save costs none of them anything
+    saver.pool.waiting = 2
+    backend.ram.seen(False, 95.0, 0)          # a miss lately: files may pay again
+    assert not keeps(200)
+    backend.ram.present = False
+    backend.ram.outcomes.clear()
+    assert not keeps(200) and not keeps(0)
 
 
 def test_before_a_save_is_measured_only_a_long_prefill_is_saved_to_learn_the_cost() -> None:
