@@ -56,7 +56,7 @@ SERVED_SHARE = 0.9        # cache_n at least this share of the earlier prompt's 
 MISSED_KINDS = ("threshold", "limit", "not_worth")
 # Why a cache was (first two) or was not saved under auto: worth a file; saved to learn what a save costs (`probe`);
 # no save measured yet and its prefill too short to learn from; not worth a file; no prefill speed known yet; worth
-# a file, but left to the server's RAM prompt cache, which has shown it keeps one that long, while requests wait.
+# a file, but left to the server's RAM prompt cache while requests wait (its miss would cost a second at most).
 DECISIONS = ("worth", "probe", "probe_too_short", "not_worth", "no_speed", "left_to_ram")
 
 
@@ -157,9 +157,10 @@ class Worth:
         """Whether a cache of `tokens` tokens (prompt and answer) is worth saving at these speeds, and why (one of
         DECISIONS). `ram_miss`: the share of prompts left to the server's RAM prompt cache that it missed lately
         (`server_cache.RamWatch.miss_rate`, 1 when unknown): a return the RAM serves needs no file. `ram_keeps`:
-        that RAM has shown it keeps a cache this long, and requests wait for a slot: a save now would cost them its
-        wait for the server's batch under way, and the server copies the cache to its RAM anyway when the slot is
-        taken (`flow.saving.Saver.ram_keeps`), so a cache worth a file is left to the RAM."""
+        the server has a RAM cache that missed nothing lately, a miss of this cache would cost at most a second of
+        prefill, and requests wait for a slot: a save now would cost them its wait for the server's batch under
+        way, and the server copies the cache to its RAM when the slot is taken (`flow.saving.Saver.ram_keeps`), so
+        a cache worth a file is left to the RAM."""
         if not tokens:
             return self._count(False, "no_speed")
         p = speeds.prefill.ms_per_token

@@ -29,7 +29,7 @@ from lpcache.backends.slots import Content, Slot
 from lpcache.cache.index import MetaIndex
 from lpcache.cache.meta_files import prefix_file
 from lpcache.cache.prefix import Prompt
-from lpcache.cache.server_cache import ServerCaches
+from lpcache.cache.server_cache import RAM_BET_SECONDS, ServerCaches
 from lpcache.cache.sessions import SessionBook, route_name
 from lpcache.cache.speeds import SpeedBook, Speeds
 from lpcache.cache.worth import Seen, Worth
@@ -252,17 +252,23 @@ class Saver:
 
     def ram_keeps(self, backend: Backend, tokens: int | None, speeds: Speeds, now: float) -> bool:
         """Whether a prefix cache of `tokens` is better left to the server's RAM prompt cache than saved now: the
-        start-up check found one (`backends.ram_check`), it has missed nothing lately and has shown it keeps caches
-        this long (`RamWatch.bets`), and requests wait for a slot. A save's `/slots` call waits for the server's
+        start-up check found one (`backends.ram_check`), it has missed nothing lately, recomputing the cache would
+        take at most RAM_BET_SECONDS, and requests wait for a slot. A save's `/slots` call waits for the server's
         batch under way, another slot's prefill (seconds on a CPU), and holds the slot meanwhile, so the request
         next in line waits for that batch and then for the next; the server alone would have started it in the
         batch after. A production chat trace at the default RAM (docs/benchmarks.md, 2026-12-07): 59 saves, 0
-        restores, one save of 186 tokens waiting 11.6 s, the time to first token 5 % over the server alone's.
-        When the slot is taken, the server copies the cache to its RAM, which keeps caches of that size."""
+        restores, one save of 186 tokens waiting 11.6 s, the time to first token 5 % over the server alone's. When
+        the slot is taken, the server copies the cache to its RAM. Only caches whose miss is that cheap: many are
+        left unsaved during a busy spell and a RAM smaller than they are together drops the oldest, with no miss
+        seen until they come back; and only with one backend and no REDIS_URL, where the return can only come to
+        this server (elsewhere a file would serve it on another)."""
         ram = backend.ram
-        if not ram.present or not tokens or not self.pool.waiting or not all(ram.recent(now)):
+        if len(self.folders) != 1 or self.settings.redis_url or not ram.present or not tokens:
             return False
-        return ram.bets(tokens, speeds.prefill.seconds(tokens), now)
+        if not self.pool.waiting or not all(ram.recent(now)):
+            return False
+        prefill_s = speeds.prefill.seconds(tokens)
+        return prefill_s is not None and prefill_s <= RAM_BET_SECONDS
 
     async def save_session(self, choice: Choice, backend: Backend, content: Content,
                            record: RequestRecord) -> Content:

@@ -207,8 +207,7 @@ class UnpinnedMode:
         if self.state[b] != PINNED or not self.eligible(backend):
             return
         # files do not pay here: its cache judged not worth one, and nothing restored for it
-        self.unworthy[b] = (self.unworthy[b] + 1 if record.save_decision in ("not_worth", "left_to_ram")
-                            and not record.restored else 0)
+        self.unworthy[b] = self.unworthy[b] + 1 if record.save_decision == "not_worth" and not record.restored else 0
         if record.saved or (record.swap_saved and not record.saved_for_ram) or record.reason is not None:
             # (neither a restore of a file saved earlier counts, nor the save of what the slot held before it made
             # only so that the restore does not take that out of the server's RAM reach: unpinned, the RAM would

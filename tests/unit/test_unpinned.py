@@ -132,6 +132,8 @@ def test_caches_not_worth_a_file_on_a_server_whose_ram_the_check_found_go_unpinn
         unworthy(mode, backend, QUIET_REQUESTS - 1)
         mode.observe(backend, RequestRecord(save_decision="not_worth", restored=True))   # a file spared a prefill
         unworthy(mode, backend, QUIET_REQUESTS - 1)
+        mode.observe(backend, RequestRecord(save_decision="left_to_ram"))   # worth a file: files do pay here
+        unworthy(mode, backend, QUIET_REQUESTS - 1)
         assert mode.state[0] == "pinned" and mode.quiet[0] >= QUIET_REQUESTS
         backend.ram.seen(False, time.monotonic(), 0)        # the RAM missed a return lately
         unworthy(mode, backend, 1)
@@ -141,8 +143,7 @@ def test_caches_not_worth_a_file_on_a_server_whose_ram_the_check_found_go_unpinn
             backend.ram.present = present
             unworthy(mode, backend, 1)
             assert mode.state[0] == "pinned"
-        backend.ram.present = True
-        backend.ram.seen(True, time.monotonic(), 900)       # one hit: fewer than RAM_TRUST, not trusted on its own
+        backend.ram.present = True                          # found by the check, no outcome yet: enough
         unworthy(mode, backend, 1)
         assert mode.state[0] == "unpinned" and mode.unworthy[0] == 0
 

@@ -11,6 +11,7 @@ import pytest
 from lpcache.cache.server_cache import RamWatch
 from lpcache.cache.speeds import Speeds
 from lpcache.cache.worth import HORIZON_MIN, NEED_PRIOR, PROBE_SECONDS, ReturnWatch, Seen, Worth
+from lpcache.config import Settings
 from lpcache.flow.saving import Saver
 
 
@@ -119,23 +120,29 @@ def test_a_cache_worth_a_file_is_left_to_a_ram_that_keeps_it_while_requests_wait
     assert worth.decisions["left_to_ram"] == 1
 
 
-def test_the_ram_keeps_a_cache_only_where_the_check_found_it_it_missed_nothing_it_showed_that_size_and_one_waits(
+def test_the_ram_keeps_a_cache_only_where_the_check_found_it_it_missed_nothing_its_miss_is_cheap_and_one_waits(
 ) -> None:
     backend = SimpleNamespace(ram=RamWatch())
-    saver = SimpleNamespace(pool=SimpleNamespace(waiting=1))
-    cpu = speeds(prefill=4.0)                 # 250 tokens: a second of prefill, the bet's bound when nothing is seen
+    saver = SimpleNamespace(pool=SimpleNamespace(waiting=1), folders=["/slots"], settings=Settings())
+    cpu = speeds(prefill=4.0)                 # 250 tokens: a second of prefill
 
     def keeps(tokens: int, now: float = 100.0) -> bool:
         return Saver.ram_keeps(saver, backend, tokens, cpu, now)  # type: ignore[arg-type]
 
     assert not keeps(200)                     # not asked whether it has a RAM
     backend.ram.present = True
-    assert keeps(200) and not keeps(800)      # a second's miss at most; longer than it has shown it keeps
-    backend.ram.seen(True, 90.0, 600)         # it served 600 tokens: up to twice that
-    assert keeps(800) and keeps(1200) and not keeps(1300)
+    assert keeps(200) and keeps(250) and not keeps(260)   # a second's miss at most
+    backend.ram.seen(True, 90.0, 600)         # a hit of 600 tokens: the bet grows, this rule does not
+    assert not keeps(600)                     # (many such caches together may be more than the RAM holds)
     saver.pool.waiting = 0
     assert not keeps(200)                     # no request waits: a save costs none of them anything
     saver.pool.waiting = 2
+    saver.folders = ["/slots", "/other"]
+    assert not keeps(200)                     # another backend may get the return: a file serves it there
+    saver.folders = ["/slots"]
+    saver.settings = Settings(redis_url="redis://r:6379")
+    assert not keeps(200)                     # another replica may: it would compute it
+    saver.settings = Settings()
     backend.ram.seen(False, 95.0, 0)          # a miss lately: files may pay again
     assert not keeps(200)
     backend.ram.present = False
