@@ -232,10 +232,10 @@ class Saver:
             why = "" if big else "not_worth"
             if decision == "left_to_ram" and backend.index not in self._left_to_ram:
                 self._left_to_ram.add(backend.index)
-                log.info("save_left_to_ram backend=%s tokens=%s: a cache worth a file is left to the server's RAM "
-                         "prompt cache, which has shown it keeps caches this long, while requests wait for a slot "
+                log.info("save_left_to_ram backend=%s tokens=%s: a cache worth a file, whose miss would cost at most "
+                         "%.0f s of prefill, is left to the server's RAM prompt cache while requests wait for a slot "
                          "(a save would make them wait for the server's batch under way; shown once)",
-                         backend.url, content.tokens)
+                         backend.url, content.tokens, RAM_BET_SECONDS)
             elif decision not in ("probe", "left_to_ram") and self._verdicts.get((backend.index, served)) != big:
                 self._verdicts[(backend.index, served)] = big
                 log.info("save_verdict backend=%s model=%s worth=%s tokens=%s %s: caches like this one are %s",
