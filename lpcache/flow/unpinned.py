@@ -91,6 +91,7 @@ class UnpinnedMode:
         self.putting_back: set[int] = set()   # backends whose lost caches are put back before they go unpinned
         self.sent = 0                   # requests sent unpinned (metric)
         self.small_misses: dict[int, deque[tuple[float, float]]] = {}   # (when, prefill lost) not counted yet
+        self.missed_at = {b.index: float("-inf") for b in self.backends}   # the last miss seen unpinned
         pool.closed, pool.unpinned, pool.released_hook = self.closed, self.unpinned, self.released
 
     # ---- what the pool and the tries ask ----
@@ -144,6 +145,8 @@ class UnpinnedMode:
                 if not small:
                     backend.ram.seen(hit, now, record.cache_n,
                                      speeds.tokens_of(self.server_caches.since(backend.index, prompt.exact)))
+                    if not hit:
+                        self.missed_at[backend.index] = now
                 if not hit:
                     log.info("unpinned_miss url=%s cache_n=%d expected=%.0f lost_s=%s: llama-server computed again "
                              "what it held of the prompt%s", backend.url, record.cache_n, expected,
@@ -152,8 +155,13 @@ class UnpinnedMode:
                              "RAM_BET_SECONDS): requests stay unpinned" if small else "")
         if record.cache_n is not None and record.prompt_tokens:
             self.server_caches.held(backend.index, prompt.exact)
-        if not all(backend.ram.recent(now)) and now >= self.pinned_after[backend.index]:
-            self._switch(backend.index, TO_PINNED)   # a miss lately, here or seen elsewhere: files may pay again
+        # A miss of the RAM's seen unpinned lately: files may pay again. Only those: a pinned request still under
+        # way when requests went unpinned may have missed for a reason of pinning's own (for instance its previous
+        # turn, just answered in the other slot, not yet copied to the RAM when its pinned slot looked there), and
+        # one such miss pinned a whole ShareGPT run again (the time to first token 19 % over the server alone's,
+        # docs/benchmarks.md).
+        if now - self.missed_at[backend.index] <= RAM_RETRY_SECONDS and now >= self.pinned_after[backend.index]:
+            self._switch(backend.index, TO_PINNED)
 
     def _small_misses_add_up(self, backend: int, lost: float, now: float) -> bool:
         """A miss that lost `lost` seconds of prefill while unpinned: whether it and the other small misses of the

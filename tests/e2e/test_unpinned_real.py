@@ -57,6 +57,8 @@ def test_requests_go_unpinned_while_the_ram_serves_and_pinned_again_after_a_miss
                     ram.outcomes.clear()
                 for hit in hits:
                     ram.seen(hit, time.monotonic(), RAM_SERVED_TOKENS)
+                    if not hit:   # as an unpinned request's miss (`UnpinnedMode.judge`): only those pin again
+                        mode.missed_at[0] = time.monotonic()
             proxy.run(record())
 
         states = []

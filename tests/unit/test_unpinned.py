@@ -188,6 +188,24 @@ def test_a_return_the_server_held_keeps_requests_unpinned() -> None:
     asyncio.run(run())
 
 
+def test_only_a_miss_seen_unpinned_pins_again() -> None:
+    """A pinned request still under way as requests went unpinned may miss for pinning's own reason (its previous
+    turn, answered in the other slot, not yet copied to the RAM when its slot looked there): its outcome, recorded
+    as the switch ends, does not pin again; a miss of an unpinned request does."""
+    async def run() -> None:
+        mode, backend, _, _ = _unpinned_now()
+        backend.ram.seen(False, time.monotonic(), 27)      # the last pinned request's outcome
+        prompt = Prompt.of("m", [{"role": "system", "content": "Tu es un assistant. 🙂"},
+                                 {"role": "user", "content": "A long conversation, déjà vu. " * 60}], 10)
+        mode.server_caches.held(0, prompt.exact)
+        _answer(mode, backend, prompt, RequestRecord(cache_n=690, prompt_tokens=700))
+        assert mode.state[0] == "unpinned" and not all(backend.ram.recent(time.monotonic()))
+        _answer(mode, backend, prompt, RequestRecord(cache_n=3, prompt_tokens=700))   # the server lost it
+        assert mode.state[0] in ("to_pinned", "draining")
+
+    asyncio.run(run())
+
+
 def test_a_miss_cheaper_than_the_ram_s_bet_keeps_requests_unpinned_and_a_dear_one_does_not() -> None:
     """A short chat turn's RAM entry that another chat's first prompt took (llama-server's own choice, which the
     server alone loses the same way) costs less than pinning every request again for RAM_RETRY_SECONDS (ShareGPT at
