@@ -159,8 +159,9 @@ class UnpinnedMode:
         # way when requests went unpinned may have missed for a reason of pinning's own (for instance its previous
         # turn, just answered in the other slot, not yet copied to the RAM when its pinned slot looked there), and
         # one such miss pinned a whole ShareGPT run again (the time to first token 19 % over the server alone's,
-        # docs/benchmarks.md).
-        if now - self.missed_at[backend.index] <= RAM_RETRY_SECONDS and now >= self.pinned_after[backend.index]:
+        # docs/benchmarks.md). (A restart since makes the RAM forget it: `ram.recent`.)
+        if now - self.missed_at[backend.index] <= RAM_RETRY_SECONDS and not all(backend.ram.recent(now)) \
+                and now >= self.pinned_after[backend.index]:
             self._switch(backend.index, TO_PINNED)
 
     def _small_misses_add_up(self, backend: int, lost: float, now: float) -> bool:

@@ -206,6 +206,23 @@ def test_only_a_miss_seen_unpinned_pins_again() -> None:
     asyncio.run(run())
 
 
+def test_a_miss_seen_before_a_restart_does_not_pin_again() -> None:
+    async def run() -> None:
+        mode, backend, _, _ = _unpinned_now()
+        prompt = Prompt.of("m", [{"role": "user", "content": "A long conversation, déjà vu. " * 60}], 10)
+        mode.server_caches.held(0, prompt.exact)
+        mode.pinned_after[0] = time.monotonic() + 60.0     # a switch back called off lately: not yet
+        _answer(mode, backend, prompt, RequestRecord(cache_n=3, prompt_tokens=700))
+        assert mode.state[0] == "unpinned"
+        backend.ram.forget()                                # the server restarted: its RAM holds nothing of before
+        mode.pinned_after[0] = 0.0
+        mode.server_caches.held(0, prompt.exact)
+        _answer(mode, backend, prompt, RequestRecord(cache_n=690, prompt_tokens=700))
+        assert mode.state[0] == "unpinned"
+
+    asyncio.run(run())
+
+
 def test_a_miss_cheaper_than_the_ram_s_bet_keeps_requests_unpinned_and_a_dear_one_does_not() -> None:
     """A short chat turn's RAM entry that another chat's first prompt took (llama-server's own choice, which the
     server alone loses the same way) costs less than pinning every request again for RAM_RETRY_SECONDS (ShareGPT at
