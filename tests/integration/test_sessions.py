@@ -398,7 +398,10 @@ def test_a_turn_sent_while_another_request_saves_its_session_restores_that_file(
 @pytest.mark.parametrize(("prefill_ms_per_token", "restored"), [(0.0001, False), (5.0, True)])
 def test_restore_only_when_it_beats_the_prefill(start_proxy: Any, start_backend: Any, prefill_ms_per_token: float,
                                                 restored: bool) -> None:
-    backend = start_backend(slots=1, prefill_ms_per_token=prefill_ms_per_token)
+    # Files as heavy as a small real model's (23 KB a token for SmolLM2-135M): a restore reads megabytes, so the
+    # near-free prefill is the quicker one however the machine's load skews a measure (with tiny files both took
+    # about a millisecond, and a loaded run once read the prefill slower)
+    backend = start_backend(slots=1, prefill_ms_per_token=prefill_ms_per_token, kv_bytes_per_token=20_000)
     proxy = start_proxy(backend)
     stories = {s: words(i, BIG) for i, s in enumerate((S1, S2))}
     for turn in range(3):
