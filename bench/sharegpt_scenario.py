@@ -376,6 +376,7 @@ def no_results(work: Path, proc: subprocess.CompletedProcess[bytes]) -> dict[str
     return {"skipped": f"aiperf exited with {proc.returncode} and no results", "aiperf_log": tail}
 
 
+LONG_HANDOVER_S = 0.1   # a slot idle this long between two requests is listed (when, which slot, how long)
 _SLOT_EVENT = re.compile(rb"^\s*(\d+)\.(\d+)\.(\d+)\.(\d+) I slot\s+(release|launch_slot_): id\s+(\d+) ", re.M)
 
 
@@ -386,6 +387,7 @@ def slot_handovers(log: bytes) -> dict[str, Any]:
     batch under way: where a run's time goes between requests (docs/benchmarks.md)."""
     released: dict[int, float] = {}
     gaps: list[float] = []
+    long: list[list[float]] = []   # [released at (s into the server's log), slot, idle s] of the long ones
     for m in _SLOT_EVENT.finditer(log):
         minutes, seconds, ms, us = (int(g) for g in m.group(1, 2, 3, 4))
         at, slot = minutes * 60 + seconds + ms / 1e3 + us / 1e6, int(m.group(6))
@@ -393,8 +395,10 @@ def slot_handovers(log: bytes) -> dict[str, Any]:
             released[slot] = at
         elif slot in released:
             gaps.append(at - released.pop(slot))
+            if gaps[-1] >= LONG_HANDOVER_S:
+                long.append([round(at - gaps[-1], 3), slot, round(gaps[-1], 3)])
     return {"handovers": len(gaps), "handover_ms_p50": round(median(gaps) * 1000, 1) if gaps else None,
-            "handover_idle_s": round(sum(gaps), 2)}
+            "handover_idle_s": round(sum(gaps), 2), "handovers_long": long}
 
 
 def cpu_seconds(processes: dict[str, Any]) -> dict[str, float]:

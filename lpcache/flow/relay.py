@@ -335,8 +335,16 @@ class SseRelay:
             self.source.finish(delivered, complete)
 
     async def _pump(self, send: Send, queue: asyncio.Queue[object], item: object) -> object:
-        """Pass the events on (to the followers, and to the client) until the end marker, returned."""
+        """Pass the events on (to the followers, and to the client) until the end marker, returned. Events the
+        reader queued while the last ones were written go out together: one write to the client's socket (on a
+        loaded CPU the largest share of a streamed answer's cost to lpcache) instead of one each."""
         while isinstance(item, bytes):
+            while not queue.empty():
+                more = queue.get_nowait()
+                if not isinstance(more, bytes):
+                    await self._pass(send, item)
+                    return more
+                item += more
             await self._pass(send, item)
             item = await queue.get()
         return item

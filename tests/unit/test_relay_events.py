@@ -3,9 +3,13 @@ keep-alive `:`), which no SSE reader makes anything of and a strict `data: <json
 
 from __future__ import annotations
 
+import asyncio
+from types import SimpleNamespace
+from typing import Any, cast
+
 import pytest
 
-from lpcache.flow.relay import _whole_events, _without_comments
+from lpcache.flow.relay import SseRelay, _whole_events, _without_comments
 
 DATA = b'data: {"choices":[{"index":0,"delta":{"content":"a: b"}}]}\n\n'
 
@@ -33,3 +37,37 @@ def test_whole_events_end_at_the_last_blank_line() -> None:
     assert _whole_events(DATA + b"data: {") == len(DATA)
     assert _whole_events(b":\r\n\r\ndata") == 5
     assert _whole_events(b"data: {}\n") == 0
+
+
+def test_events_queued_while_the_last_were_written_go_out_in_one_write() -> None:
+    """The reader got ahead (a slow client, a loaded CPU): what waits in the queue goes to the client's socket in
+    one write, the end marker still ends the stream, and nothing is lost or reordered."""
+    teed: list[bytes] = []
+    record = SimpleNamespace(bytes_out=0)
+    relay = SseRelay(cast(Any, SimpleNamespace(tee=teed.append)), cast(Any, record), cast(Any, None), 8, 0.0)
+    events = [b'data: {"n":%d}\n\n' % i for i in range(4)] + [b"data: [DONE]\n\n"]
+    end = object()
+    bodies: list[bytes] = []
+
+    async def send(message: Any) -> None:
+        bodies.append(message["body"])
+
+    async def run() -> object:
+        queue: asyncio.Queue[object] = asyncio.Queue()
+        for event in events[1:3]:
+            queue.put_nowait(event)       # queued while the first was being written
+
+        async def later() -> None:
+            await asyncio.sleep(0)
+            for item in (events[3], events[4], end):
+                queue.put_nowait(item)
+
+        feeder = asyncio.ensure_future(later())
+        item = await relay._pump(send, queue, events[0])
+        await feeder
+        return item
+
+    assert asyncio.run(run()) is end
+    assert bodies[0] == b"".join(events[:3])          # one write for the three that were there
+    assert b"".join(bodies) == b"".join(events) == b"".join(teed)
+    assert record.bytes_out == len(b"".join(events)) and relay._done
