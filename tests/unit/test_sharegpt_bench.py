@@ -514,9 +514,10 @@ def test_slot_handovers_are_read_from_llama_server_s_log() -> None:
 1.02.000.000 I slot      release: id  1 | task 497 | stop processing: n_tokens = 208, truncated = 0
 """
     figures = sc.slot_handovers(log)
-    assert figures == {"handovers": 3, "handover_ms_p50": 52.9, "handover_idle_s": 1.26}
+    assert figures == {"handovers": 3, "handover_ms_p50": 52.9, "handover_idle_s": 1.26,
+                       "handovers_long": [[59.9, 0, 1.2]]}   # the one of 0.1 s or more: when, which slot, how long
     assert sc.slot_handovers(b"no slot lines at all\n") == {"handovers": 0, "handover_ms_p50": None,
-                                                           "handover_idle_s": 0}
+                                                           "handover_idle_s": 0, "handovers_long": []}
 
 
 def test_an_lpcache_run_is_set_beside_the_server_alone_with_the_same_ram_request_by_request() -> None:
