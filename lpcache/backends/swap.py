@@ -103,23 +103,26 @@ async def idle_tokens(client: LlamaClient, slot: int, model: str | None = None,
 
 async def all_idle(client: LlamaClient, limit: float, polls: int) -> dict[int, int | None] | None:
     """Each slot's tokens (`n_prompt_tokens`) once GET /slots has said `polls` times in a row that no slot is
-    processing; None when the server does not say (no /slots, an error) or is still busy after `limit` seconds."""
-    deadline = time.monotonic() + limit
+    processing; None when the server does not say (no /slots, an error) or has not said so within `limit` seconds,
+    slow answers included (a call is bounded by the client's own timeout, 10 s, and the caller keeps its slots
+    closed meanwhile: `flow.unpinned`)."""
     streak = 0
-    while True:
-        try:
-            listing = await client.slots()
-        except ProxyError:
-            return None
-        if listing is None:
-            return None
-        streak = 0 if any(s.get("is_processing") for s in listing) else streak + 1
-        if streak >= polls:
-            return {s["id"]: n if isinstance(n := s.get("n_prompt_tokens"), int) else None
-                    for s in listing if isinstance(s.get("id"), int)}
-        if time.monotonic() >= deadline:
-            return None
-        await asyncio.sleep(IDLE_POLL_SECONDS)
+    try:
+        async with asyncio.timeout(limit):
+            while True:
+                try:
+                    listing = await client.slots()
+                except ProxyError:
+                    return None
+                if listing is None:
+                    return None
+                streak = 0 if any(s.get("is_processing") for s in listing) else streak + 1
+                if streak >= polls:
+                    return {s["id"]: n if isinstance(n := s.get("n_prompt_tokens"), int) else None
+                            for s in listing if isinstance(s.get("id"), int)}
+                await asyncio.sleep(IDLE_POLL_SECONDS)
+    except TimeoutError:
+        return None
 
 
 def holds(client: LlamaClient, slot: int, content: Content, tokens: int | None) -> bool:

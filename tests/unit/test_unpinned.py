@@ -23,14 +23,17 @@ from lpcache.flow.unpinned import QUIET_REQUESTS, UnpinnedMode
 
 
 class _Client:
-    """GET /slots as told: busy for the first `busy_polls` calls."""
+    """GET /slots as told: busy for the first `busy_polls` calls, each answer `delay` seconds late."""
 
-    def __init__(self, busy_polls: int = 0) -> None:
+    def __init__(self, busy_polls: int = 0, delay: float = 0.0) -> None:
         self.busy_polls = busy_polls
+        self.delay = delay
         self.polls = 0
 
     async def slots(self, model: str | None = None) -> list[dict[str, Any]]:
         self.polls += 1
+        if self.delay:
+            await asyncio.sleep(self.delay)
         return [{"id": i, "is_processing": self.polls <= self.busy_polls} for i in range(2)]
 
 
@@ -346,5 +349,26 @@ def test_a_file_the_ram_lacks_pins_again_when_its_prefill_beats_the_switch() -> 
         await asyncio.gather(*spawned)
         assert mode.state[0] == "pinned" and len(pool.idle()) == 2
         assert not mode.pins_for_file(backend, prompt, blocks)        # pinned already: the restore is placement's
+
+    asyncio.run(run())
+
+
+def test_a_slow_slots_answer_does_not_keep_the_switch_back_closed_past_its_bound(monkeypatch: Any) -> None:
+    """Draining waits for GET /slots to say twice that every slot is idle, at most SWITCH_SECONDS: also when each
+    answer is slow (a loaded CPU), where the bound used to be checked only between two answers (each bounded by the
+    client's 10 s), keeping every slot closed for two of them. Past it, requests stay unpinned."""
+    from lpcache.flow import unpinned
+
+    monkeypatch.setattr(unpinned, "SWITCH_SECONDS", 0.3)
+
+    async def run() -> None:
+        mode, backend, pool, spawned = _unpinned_now()
+        backend.client = _Client(delay=0.25)   # type: ignore[assignment]
+        mode._switch(0, "to_pinned")
+        assert mode.state[0] == "draining" and mode.closed(0)
+        started = time.monotonic()
+        await asyncio.gather(*spawned)
+        assert time.monotonic() - started < 0.6   # two answers and the poll between them: 0.75 s
+        assert mode.state[0] == "unpinned" and not mode.closed(0)
 
     asyncio.run(run())
