@@ -69,6 +69,16 @@ def _unpinned_now(busy_polls: int = 0) -> tuple[UnpinnedMode, Backend, SlotPool,
     return mode, backend, pool, spawned
 
 
+LONG_TURN = {"role": "user", "content": "A long conversation, déjà vu. " * 60}
+
+
+def _held(mode: UnpinnedMode, *before: dict[str, str]) -> Prompt:
+    """A long prompt (after `before`'s messages) that a slot of backend 0 held: its server copies it to its RAM."""
+    prompt = Prompt.of("m", [*before, LONG_TURN], 10)
+    mode.server_caches.held(0, prompt.exact)
+    return prompt
+
+
 def _answer(mode: UnpinnedMode, backend: Backend, prompt: Prompt, record: RequestRecord) -> None:
     """One unpinned request, sent and answered with `record`'s cache_n."""
     mode.began(0)
@@ -156,8 +166,7 @@ def test_caches_not_worth_a_file_on_a_server_whose_ram_the_check_found_go_unpinn
 def test_a_miss_pins_again_only_after_every_unpinned_request_and_the_server_s_slots() -> None:
     async def run() -> None:
         mode, backend, pool, spawned = _unpinned_now(busy_polls=2)
-        prompt = Prompt.of("m", [{"role": "user", "content": "A long conversation, déjà vu. " * 60}], 10)
-        mode.server_caches.held(0, prompt.exact)
+        prompt = _held(mode)
         first = (await pool.acquire(Want())).slot
         mode.began(0)
         pool.release(first, None)                          # at its first token: its place goes to the next
@@ -182,8 +191,7 @@ def test_a_miss_pins_again_only_after_every_unpinned_request_and_the_server_s_sl
 def test_a_return_the_server_held_keeps_requests_unpinned() -> None:
     async def run() -> None:
         mode, backend, _, _ = _unpinned_now()
-        prompt = Prompt.of("m", [{"role": "user", "content": "A long conversation, déjà vu. " * 60}], 10)
-        mode.server_caches.held(0, prompt.exact)
+        prompt = _held(mode)
         record = RequestRecord(cache_n=690, prompt_tokens=700)
         _answer(mode, backend, prompt, record)
         assert mode.state[0] == "unpinned" and record.ram_expected and all(backend.ram.recent(time.monotonic()))
@@ -198,9 +206,7 @@ def test_only_a_miss_seen_unpinned_pins_again() -> None:
     async def run() -> None:
         mode, backend, _, _ = _unpinned_now()
         backend.ram.seen(False, time.monotonic(), 27)      # the last pinned request's outcome
-        prompt = Prompt.of("m", [{"role": "system", "content": "Tu es un assistant. 🙂"},
-                                 {"role": "user", "content": "A long conversation, déjà vu. " * 60}], 10)
-        mode.server_caches.held(0, prompt.exact)
+        prompt = _held(mode, {"role": "system", "content": "Tu es un assistant. 🙂"})
         _answer(mode, backend, prompt, RequestRecord(cache_n=690, prompt_tokens=700))
         assert mode.state[0] == "unpinned" and not all(backend.ram.recent(time.monotonic()))
         _answer(mode, backend, prompt, RequestRecord(cache_n=3, prompt_tokens=700))   # the server lost it
@@ -212,8 +218,7 @@ def test_only_a_miss_seen_unpinned_pins_again() -> None:
 def test_a_miss_seen_before_a_restart_does_not_pin_again() -> None:
     async def run() -> None:
         mode, backend, _, _ = _unpinned_now()
-        prompt = Prompt.of("m", [{"role": "user", "content": "A long conversation, déjà vu. " * 60}], 10)
-        mode.server_caches.held(0, prompt.exact)
+        prompt = _held(mode)
         mode.pinned_after[0] = time.monotonic() + 60.0     # a switch back called off lately: not yet
         _answer(mode, backend, prompt, RequestRecord(cache_n=3, prompt_tokens=700))
         assert mode.state[0] == "unpinned"
@@ -233,7 +238,7 @@ def test_a_miss_cheaper_than_the_ram_s_bet_keeps_requests_unpinned_and_a_dear_on
     async def run() -> None:
         mode, backend, _, _ = _unpinned_now()
         short = Prompt.of("m", [{"role": "user", "content": "Short turn, ça va? 🙂 " * 12}], 10)
-        long_ = Prompt.of("m", [{"role": "user", "content": "A long conversation, déjà vu. " * 60}], 10)
+        long_ = Prompt.of("m", [LONG_TURN], 10)
         speeds = mode.speeds.of(0, RouterModels.served(backend, "m"))
         speeds.prefill.ms_per_token = 4.0                  # a CPU: 250 tokens a second
         for prompt in (short, long_):
