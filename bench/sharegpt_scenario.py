@@ -45,6 +45,10 @@ llama-server's do, so saves and restores cost real disk time). It reports the pr
 wrote (after the run, once lpcache is idle, plus what it saved when it stopped), and whether `auto` wrote no more than
 the defaults. No ideal and no time to first token for these: the stand-in's tokens are not llama-server's.
 
+`bare-RAM` (not a default): a bare pass-through proxy on lpcache's own stack (`bench/bare_proxy.py`: uvicorn,
+aiohttp, no cache) in lpcache's place. What any proxy hop costs on these cores, the floor an lpcache run that passes
+its requests on (the default RAM cache, `flow.unpinned`) is read against.
+
 The default setups are those the acceptance of issue 21 needs: alone with the three RAM settings; lpcache `auto`
 with the three, with session ids, and with `--cache-ram 0` without; lpcache `defaults` with `--cache-ram 0` and the
 default RAM cache; the fast profile with `defaults` and `auto`, with session ids. 2 to 5 minutes a setup on a quiet
@@ -93,6 +97,7 @@ from aiperf_scenario import (  # noqa: E402
     scrape,
     tokenizer_for,
 )
+from bare_proxy import BareProxy  # noqa: E402
 from replay import samples  # noqa: E402
 
 from lpcache.config import OPTIONS  # noqa: E402
@@ -108,6 +113,7 @@ START, END = "<!-- sharegpt:start -->", "<!-- sharegpt:end -->"
 RAMS = ("ram0", "ramsmall", "ramdef")
 VARIANTS: dict[str, dict[str, str]] = {"defaults": {}, "auto": {"BIG_THRESHOLD_WORDS": "auto"}}
 FAST = "fast"   # the `ram` of the fast profile's setups: a stand-in, no llama-server and no RAM cache
+BARE = "bare"   # the `variant` of a bare pass-through proxy in lpcache's place (bench/bare_proxy.py)
 DEFAULT_SETUPS = ("alone-ram0,alone-ramsmall,alone-ramdef,lpcache-auto-ram0,lpcache-auto-ramsmall,lpcache-auto-ramdef,"
                   "lpcache-auto-ram0-nosid,lpcache-defaults-ram0,lpcache-defaults-ram0-nosid,lpcache-defaults-ramdef,"
                   "fast-defaults,fast-auto")
@@ -134,8 +140,8 @@ FAST_SLOTS, CPU_SAMPLES = 2, 2
 
 @dataclass(frozen=True)
 class Setup:
-    """One way of serving the workload: `alone-RAM`, `lpcache-VARIANT-RAM`, or `fast-VARIANT` (lpcache in front of
-    the fast stand-in), `-nosid` for no session ids."""
+    """One way of serving the workload: `alone-RAM`, `lpcache-VARIANT-RAM`, `bare-RAM` (a bare proxy in lpcache's
+    place), or `fast-VARIANT` (lpcache in front of the fast stand-in), `-nosid` for no session ids."""
 
     name: str
     variant: str | None        # None: llama-server alone
@@ -150,6 +156,8 @@ class Setup:
     def label(self) -> str:
         if self.fast:
             return f"lpcache, {self.variant}, fast stand-in"
+        if self.variant == BARE:
+            return "a bare proxy, no cache"
         return "llama-server alone" if self.variant is None else f"lpcache, {self.variant}"
 
 
@@ -160,12 +168,14 @@ def parse_setup(name: str) -> Setup:
         parts = parts[:-1]
     if parts[:1] == ["alone"] and len(parts) == 2 and parts[1] in RAMS:
         return Setup(name.strip(), None, parts[1], sessions)
+    if parts[:1] == [BARE] and len(parts) == 2 and parts[1] in RAMS:
+        return Setup(name.strip(), BARE, parts[1], sessions)
     if parts[:1] == ["lpcache"] and len(parts) == 3 and parts[1] in VARIANTS and parts[2] in RAMS:
         return Setup(name.strip(), parts[1], parts[2], sessions)
     if parts[:1] == [FAST] and len(parts) == 2 and parts[1] in VARIANTS:
         return Setup(name.strip(), parts[1], FAST, sessions)
-    raise ValueError(f"setup {name!r}: write alone-RAM, lpcache-VARIANT-RAM or fast-VARIANT, with -nosid for no "
-                     f"session ids (RAM: {', '.join(RAMS)}; VARIANT: {', '.join(VARIANTS)})")
+    raise ValueError(f"setup {name!r}: write alone-RAM, lpcache-VARIANT-RAM, bare-RAM or fast-VARIANT, with -nosid "
+                     f"for no session ids (RAM: {', '.join(RAMS)}; VARIANT: {', '.join(VARIANTS)})")
 
 
 def variant_text(variant: str) -> str:
@@ -484,7 +494,10 @@ def one_run(setup: Setup, args: argparse.Namespace, prep: Prepared, aiperf: str,
         base["cache_ram_mib"] = cache_ram
         server = LlamaServer(slots, n_slots=2, cache_ram=cache_ram, extra=["--metrics"])
         url = server.url
-        if setup.variant is not None:
+        if setup.variant == BARE:
+            proxy = BareProxy(server.url)
+            url = proxy.url
+        elif setup.variant is not None:
             started = start_lpcache(setup, args, server.url, slots, work, base)
             if isinstance(started, str):
                 return {**base, "skipped": started}
@@ -492,7 +505,7 @@ def one_run(setup: Setup, args: argparse.Namespace, prep: Prepared, aiperf: str,
             url = proxy.url
         out = work / "aiperf"
         llama_url = server.url
-        processes = {"llama_server": server, "lpcache": proxy}
+        processes = {"llama_server": server, "lpcache" if setup.variant != BARE else "bare_proxy": proxy}
         timed = timed_aiperf(url, setup, args, prep, (aiperf, tokenizer, hub), work,
                              lambda: (computed_tokens(llama_url), cpu_seconds(processes)))
         proc, wall, load_before = timed.proc, timed.wall, timed.load_before
@@ -516,7 +529,7 @@ def one_run(setup: Setup, args: argparse.Namespace, prep: Prepared, aiperf: str,
             "load_1m_before": round(load_before, 2), "load_1m_after": round(load_after, 2),
             **slot_handovers(server.log_path.read_bytes()), **cpu,
         }
-        if proxy is not None:
+        if isinstance(proxy, LpcacheProcess):
             result["lpcache"] = lpcache_figures(proxy.url)
         return result
     finally:
@@ -678,7 +691,7 @@ def estimate_s(setup: Setup, prep: Prepared, args: argparse.Namespace, scale: fl
         n = len(c.turns)
         total += c.tokens * (n + 1) / 2
         ideal += c.tokens
-    computed = total if setup.variant is None and setup.ram == "ram0" else ideal * 1.2
+    computed = total if setup.variant in (None, BARE) and setup.ram == "ram0" else ideal * 1.2
     requests = sum(len(c.turns) for c in prep.conversations)
     decode = requests * args.answer_tokens
     if setup.fast:
@@ -1059,8 +1072,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-turns", type=int, default=4)
     ap.add_argument("--budget", type=int, default=6000, help="tokens a conversation may take, answers at their cap")
     ap.add_argument("--setups", default=DEFAULT_SETUPS,
-                    help="comma-separated: alone-RAM, lpcache-VARIANT-RAM or fast-VARIANT, -nosid for no session ids "
-                         f"(RAM: {', '.join(RAMS)}; VARIANT: {', '.join(VARIANTS)}); default: {DEFAULT_SETUPS}")
+                    help="comma-separated: alone-RAM, lpcache-VARIANT-RAM, bare-RAM or fast-VARIANT, -nosid for no "
+                         f"session ids (RAM: {', '.join(RAMS)}; VARIANT: {', '.join(VARIANTS)}); "
+                         f"default: {DEFAULT_SETUPS}")
     ap.add_argument("--lpcache-env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE",
                     help="a setting for every lpcache run (repeatable)")
     ap.add_argument("--small-mib", type=int, help="the small RAM cache in MiB (default: a fifth of the working set)")

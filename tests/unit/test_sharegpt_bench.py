@@ -270,7 +270,10 @@ def test_setup_names() -> None:
     assert sc.parse_setup("lpcache-auto-ramsmall-nosid") == sc.Setup("lpcache-auto-ramsmall-nosid", "auto",
                                                                       "ramsmall", False)
     assert [sc.parse_setup(n).name for n in sc.DEFAULT_SETUPS.split(",")] == sc.DEFAULT_SETUPS.split(",")
-    for bad in ("alone", "lpcache-ram0", "lpcache-fast-ram0", "alone-ram9", "solo-ram0"):
+    bare = sc.parse_setup("bare-ramdef")
+    assert bare == sc.Setup("bare-ramdef", sc.BARE, "ramdef", True) and bare.label == "a bare proxy, no cache"
+    for bad in ("alone", "lpcache-ram0", "lpcache-fast-ram0", "alone-ram9", "solo-ram0", "bare", "bare-auto-ramdef",
+                "bare-fast"):
         with pytest.raises(ValueError):
             sc.parse_setup(bad)
 
