@@ -11,12 +11,10 @@ run it in lpcache's place.
 
 from __future__ import annotations
 
-import socket
-import subprocess
 import sys
-import time
-import urllib.request
 from typing import Any
+
+from lpcache.workloads.harness import _Process
 
 HOP_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding"}
 
@@ -63,34 +61,14 @@ def app_for(upstream: str) -> Any:
     return app
 
 
-class BareProxy:
+class BareProxy(_Process):
     """The proxy as a process of its own (as lpcache runs in the bench), in front of `upstream`."""
 
-    def __init__(self, upstream: str, timeout: float = 30.0) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        self.process = subprocess.Popen([sys.executable, __file__, upstream, str(port)])
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2):
-                    return
-            except OSError:
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"the bare proxy did not answer on {self.url}") from None
-                time.sleep(0.1)
+    name = "bare-proxy"
 
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+    def __init__(self, upstream: str, timeout: float = 30.0) -> None:
+        super().__init__()
+        self._start([sys.executable, __file__, upstream, str(self.port)], None, timeout)
 
 
 def main() -> None:
