@@ -333,6 +333,22 @@ def beside_wait(slot: Slot, mine: float, blocks: int, speeds: Speeds) -> float:
     return left * per_token + benefit
 
 
+def prefill_left(slot: Slot, speeds: Speeds, now: float) -> float:
+    """The prefill a busy slot's request still has to compute, in seconds at the learnt speed (0: its first token
+    came, or no speed learnt yet), or what is left of a save under way: the least time it stays busy. Its answer is
+    left out: a max_tokens bounds it, but it may end at any token."""
+    if not slot.busy:
+        return 0.0
+    if slot.phase == "save":
+        return max(0.0, slot.free_at - now) if slot.free_at is not None else 0.0
+    if slot.first_token_at is not None:
+        return 0.0
+    prefill = speeds.prefill.seconds(speeds.tokens_of(slot.computing))
+    if prefill is None:
+        return 0.0
+    return max(0.0, prefill - (now - slot.sent_at)) if slot.sent_at is not None else prefill
+
+
 def route_of(choice: Choice, want: Content | None) -> str:
     """Why the request got its slot, for its record: the slot holds its prefix (`resident`), a saved cache is
     restored into it (`restore`), its session's (`session`), the server's RAM cache likely has it (`server_ram`), or

@@ -13,19 +13,19 @@ QUIET_REQUESTS requests there (but what a slot held, saved only because a restor
 reach: `ram_reach.keeps`) and either the RAM has served the last RAM_TRUST prompts left to it, or those requests'
 caches were all judged not worth a file (few prompts come back: pinning would spare nothing) on a server whose RAM
 cache the check found and that has missed nothing lately (a production chat trace's requests, which seldom come back
-within minutes, gave the RAM too few returns to be trusted: pinned throughout, TTFT p50 5 % over the server
-alone's), no slot of the backend is handed out until the pinned requests under way have ended; `unpinned`: each
-request takes a slot of the pool as before (the pool's line, classes and fair shares still decide who goes next) but
-is sent without `id_slot`, and gives its slot back at its first token, while the server still generates: the next
-one is then queued inside the server. `to_pinned`: when a prompt left to the server comes back short by more than
-RAM_BET_SECONDS of prefill, or such small misses add up to more within RAM_RETRY_SECONDS (a miss: files would spare
-something again; one short chat turn's entry that another chat's first prompt took from the RAM costs less than
-pinning does, and the server alone loses it the same way), no slot is handed out until every unpinned request has
-ended, and (`draining`) until the server says its slots are idle; only then is a request pinned again, every slot's
-content unknown. The same switch is made ahead of a miss when a saved file holds much more of a prompt than the
-server's RAM likely does (`pins_for_file`). The two kinds never overlap on a backend: llama-server b11434 runs its
-RAM cache's load on a pinned slot even while that slot computes another request (`get_available_slot`, "Pinned +
-busy slot" in the llama-server notes).
+within minutes, gave the RAM too few returns to be trusted: pinned throughout, TTFT p50 5 % over the server alone's),
+and no pinned request under way has more prefill left than a switch may wait (SWITCH_SECONDS), no slot of the backend
+is handed out until the pinned requests under way have ended; `unpinned`: each request takes a slot of the pool as
+before (the pool's line, classes and fair shares still decide who goes next) but is sent without `id_slot`, and gives
+its slot back at its first token, while the server still generates: the next one is then queued inside the server.
+`to_pinned`: when a prompt left to the server comes back short by more than RAM_BET_SECONDS of prefill, or such small
+misses add up to more within RAM_RETRY_SECONDS (a miss: files would spare something again; one short chat turn's
+entry that another chat's first prompt took from the RAM costs less than pinning does, and the server alone loses it
+the same way), no slot is handed out until every unpinned request has ended, and (`draining`) until the server says
+its slots are idle; only then is a request pinned again, every slot's content unknown. The same switch is made ahead
+of a miss when a saved file holds much more of a prompt than the server's RAM likely does (`pins_for_file`). The two
+kinds never overlap on a backend: llama-server b11434 runs its RAM cache's load on a pinned slot even while that slot
+computes another request (`get_available_slot`, "Pinned + busy slot" in the llama-server notes).
 
 Only where nothing else needs a slot pinned: one backend, no REDIS_URL (another replica's pins), not a router,
 BIG_THRESHOLD_WORDS=auto, and the backend's caches enabled. No save, restore or idle save is made there meanwhile.
@@ -42,10 +42,11 @@ from typing import Any
 
 from lpcache.backends import swap
 from lpcache.backends.backend import Backend
+from lpcache.backends.placement import prefill_left
 from lpcache.backends.ram_check import copy_to_ram
 from lpcache.backends.router_models import RouterModels
 from lpcache.backends.slot_pool import SlotPool
-from lpcache.backends.slots import Content
+from lpcache.backends.slots import Content, Slot
 from lpcache.cache.meta_files import file_in
 from lpcache.cache.prefix import Prompt
 from lpcache.cache.reuse import REUSE_MIN_TOKENS
@@ -92,6 +93,7 @@ class UnpinnedMode:
         self.sent = 0                   # requests sent unpinned (metric)
         self.small_misses: dict[int, deque[tuple[float, float]]] = {}   # (when, prefill lost) not counted yet
         self.missed_at = {b.index: float("-inf") for b in self.backends}   # the last miss seen unpinned
+        self.deferred = {b.index: False for b in self.backends}   # a switch to unpinned put off (`_switch_outlasted`)
         pool.closed, pool.unpinned, pool.released_hook = self.closed, self.unpinned, self.released
 
     # ---- what the pool and the tries ask ----
@@ -232,16 +234,34 @@ class UnpinnedMode:
         if self.quiet[b] < quiet or not all(recent):
             return
         if len(recent) >= RAM_TRUST:
-            log.info("unpinned_on url=%s: llama-server's RAM prompt cache served the last %d prompts left to it and "
-                     "nothing worth a file was saved for the last %d requests; requests go unpinned and the server "
-                     "queues them", backend.url, len(recent), self.quiet[b])
-            self._switch(b, TO_UNPINNED)
+            why = (f"llama-server's RAM prompt cache served the last {len(recent)} prompts left to it and nothing "
+                   f"worth a file was saved for the last {self.quiet[b]} requests")
         elif self.unworthy[b] >= quiet and backend.ram.present:
-            log.info("unpinned_on url=%s: the last %d requests' caches were not worth a file (few prompts come back "
-                     "here) and the server has a RAM prompt cache that missed none of the %d prompts left to it "
-                     "lately; requests go unpinned and the server queues them", backend.url, self.unworthy[b],
-                     len(recent))
-            self._switch(b, TO_UNPINNED)
+            why = (f"the last {self.unworthy[b]} requests' caches were not worth a file (few prompts come back here) "
+                   f"and the server has a RAM prompt cache that missed none of the {len(recent)} prompts left to it "
+                   "lately")
+        else:
+            return
+        if self._switch_outlasted(backend, mine):
+            return
+        log.info("unpinned_on url=%s: %s; requests go unpinned and the server queues them", backend.url, why)
+        self._switch(b, TO_UNPINNED)
+
+    def _switch_outlasted(self, backend: Backend, mine: list[Slot]) -> bool:
+        """Whether a pinned request under way on `backend` still has more than SWITCH_SECONDS of prefill to compute
+        (at the learnt speed): a switch now would keep hand-outs closed, its other slots idle, until it is called off,
+        and the next try would wait for twice the quiet requests. The switch is tried again when the next pinned
+        request ends (a production chat trace: two switches called off so, each after a slot stood idle 5 s)."""
+        speeds = self.speeds.of(backend.index, "")
+        now = time.monotonic()
+        left = max((prefill_left(s, speeds, now) for s in mine), default=0.0)
+        outlasted = left > SWITCH_SECONDS
+        if outlasted and not self.deferred[backend.index]:
+            log.info("unpinned_deferred url=%s prefill_left_s=%.1f: a pinned request under way computes its prompt "
+                     "longer than a switch may wait (%.0f s); tried again when a pinned request ends", backend.url,
+                     left, SWITCH_SECONDS)
+        self.deferred[backend.index] = outlasted
+        return outlasted
 
     # ---- the switches ----
 

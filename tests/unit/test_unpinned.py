@@ -19,7 +19,7 @@ from lpcache.cache.speeds import SpeedBook
 from lpcache.config import BackendConfig, Settings
 from lpcache.errors import ProxyError
 from lpcache.flow.record import RequestRecord
-from lpcache.flow.unpinned import QUIET_REQUESTS, UnpinnedMode
+from lpcache.flow.unpinned import QUIET_REQUESTS, SWITCH_SECONDS, UnpinnedMode
 
 
 class _Client:
@@ -297,6 +297,41 @@ def test_a_switch_that_waits_too_long_is_called_off_and_hand_outs_open_again() -
         assert mode.state[0] == "to_unpinned"
         pool.release(busy)
         assert mode.state[0] == "unpinned" and 0 not in mode.timers
+
+    asyncio.run(run())
+
+
+def test_a_switch_waits_for_a_pinned_request_whose_prefill_would_outlast_it() -> None:
+    async def run() -> None:
+        mode, backend, pool, _ = _setup()
+        _trusted(backend)
+        mode.speeds.of(0, "").prefill.add(5000.0, 1000)     # 5 ms a token, learnt
+        busy = (await pool.acquire(Want())).slot           # a pinned request computing a long prompt
+        busy.phase, busy.sent_at, busy.computing = "generate", time.monotonic(), 4000
+        assert mode.speeds.of(0, "").prefill.seconds(mode.speeds.of(0, "").tokens_of(4000)) > 2 * SWITCH_SECONDS
+        _quiet(mode, backend, 3 * QUIET_REQUESTS)
+        assert mode.state[0] == "pinned" and 0 not in mode.timers   # not tried: nothing called off
+        assert len(pool.idle()) == 1                       # the other slot still handed out meanwhile
+        busy.first_token_at = time.monotonic()             # its prefill is over: its answer may end any time
+        _quiet(mode, backend, 1)                           # the next pinned request's end tries it, at the first count
+        assert mode.state[0] == "to_unpinned" and mode.called_off[0] == 0
+        pool.release(busy)
+        assert mode.state[0] == "unpinned"
+
+    asyncio.run(run())
+
+
+def test_a_pinned_prefill_short_of_the_switch_s_bound_does_not_put_it_off() -> None:
+    async def run() -> None:
+        mode, backend, pool, _ = _setup()
+        _trusted(backend)
+        speeds = mode.speeds.of(0, "")
+        speeds.prefill.add(5000.0, 1000)
+        busy = (await pool.acquire(Want())).slot
+        blocks = int(0.5 * SWITCH_SECONDS / speeds.prefill.seconds(speeds.tokens_of(1)))   # half the bound
+        busy.phase, busy.sent_at, busy.computing = "generate", time.monotonic(), blocks
+        _quiet(mode, backend)
+        assert mode.state[0] == "to_unpinned"
 
     asyncio.run(run())
 
