@@ -35,6 +35,12 @@ class Choice:
         """Identity blocks of the prompt this choice gives without computing them: held, or restored."""
         return max(self.resident, self.restore.shared if self.restore is not None else 0)
 
+    @property
+    def uncomputed(self) -> int:
+        """Identity blocks of the prompt the server likely does not compute: those reused, or those its RAM prompt
+        cache likely gives back (`warm`). What is left is the prefill its request still has (`Slot.computing`)."""
+        return max(self.reused, self.warm_blocks if self.warm else 0)
+
 
 Pays = Callable[[Slot, Candidate, int], bool]
 
@@ -334,9 +340,10 @@ def beside_wait(slot: Slot, mine: float, blocks: int, speeds: Speeds) -> float:
 
 
 def prefill_left(slot: Slot, speeds: Speeds, now: float) -> float:
-    """The prefill a busy slot's request still has to compute, in seconds at the learnt speed (0: its first token
-    came, or no speed learnt yet), or what is left of a save under way: the least time it stays busy. Its answer is
-    left out: a max_tokens bounds it, but it may end at any token."""
+    """The prefill a busy slot's request still has to compute (`Slot.computing`: what neither the slot nor the server's
+    RAM likely holds), in seconds at the learnt speed (0: its first token came, or no speed learnt yet), or what is
+    left of a save under way: about the least time it stays busy. Its answer is left out: a max_tokens bounds it,
+    but it may end at any token."""
     if not slot.busy:
         return 0.0
     if slot.phase == "save":

@@ -208,10 +208,9 @@ class SlotFiller:
         self.saver.cancel_idle_save(choice.slot)
         choice.slot.pending = want or Content(cache_file(self.backends[choice.slot.backend], prompt), prompt.exact)
         choice.slot.phase, choice.slot.free_at = "prefill", None
-        brought = choice.restore.shared if choice.restore is not None else choice.resident
         choice.slot.stream = bool(record.stream)
         choice.slot.answer_tokens = answer_tokens
-        choice.slot.computing = max(0, len(choice.slot.pending.chain) - brought)
+        choice.slot.computing = max(0, len(choice.slot.pending.chain) - choice.uncomputed)
         record.backend, record.slot = self.backends[choice.slot.backend].url, choice.slot.id
         record.restore_skipped = choice.skipped or None
         record.route = ("waited_" if planned else "") + route_of(choice, want)

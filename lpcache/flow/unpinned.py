@@ -224,6 +224,7 @@ class UnpinnedMode:
             # only so that the restore does not take that out of the server's RAM reach: unpinned, the RAM would
             # have served the one and kept the other)
             self.quiet[b] = 0
+            self.deferred[b] = False   # a switch put off is logged again when next put off
             return
         self.quiet[b] += 1
         recent = backend.ram.recent(time.monotonic())
@@ -251,7 +252,8 @@ class UnpinnedMode:
         """Whether a pinned request under way on `backend` still has more than SWITCH_SECONDS of prefill to compute
         (at the learnt speed): a switch now would keep hand-outs closed, its other slots idle, until it is called off,
         and the next try would wait for twice the quiet requests. The switch is tried again when the next pinned
-        request ends (a production chat trace: two switches called off so, each after a slot stood idle 5 s)."""
+        request ends quiet (a production chat trace: two switches called off so, each after a slot stood idle 5 s).
+        A save under way counts too, until its expected end."""
         speeds = self.speeds.of(backend.index, "")
         now = time.monotonic()
         left = max((prefill_left(s, speeds, now) for s in mine), default=0.0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 
-from lpcache.backends.placement import beside_wait
+from lpcache.backends.placement import beside_wait, prefill_left
 from lpcache.backends.slots import Content, Slot
 from lpcache.cache.speeds import Speeds
 
@@ -59,3 +59,20 @@ def test_a_json_answer_is_waited_for_only_at_learnt_speeds() -> None:
     assert 4.9 < wait < 5.0
     # an answer of 64 tokens takes longer than the prefill it would spare: no wait
     assert beside_wait(slot, mine=2560, blocks=150, speeds=learnt(generate_ms=100.0)) == 0.0
+
+
+def test_the_prefill_a_busy_slot_has_left_counts_what_it_computes_less_the_time_since_it_was_sent() -> None:
+    speeds = learnt(prefill_ms=1.0)                  # 16 ms a block
+    now = time.monotonic()
+    assert prefill_left(busy(2000, 1000, sent=None), speeds, now) == 16.0   # not sent yet: all of it
+    assert math.isclose(prefill_left(busy(2000, 1000, sent=10.0), speeds, now), 6.0, abs_tol=0.05)
+    assert prefill_left(busy(2000, 1000, sent=20.0), speeds, now) == 0.0    # done by now, at that speed
+    assert prefill_left(busy(2000, 1000, sent=1.0, first_token=0.5), speeds, now) == 0.0   # its answer began
+    assert prefill_left(busy(2000, 1000), Speeds(), now) == 0.0             # no speed learnt: nothing known
+    saving = busy(2000, 1000)
+    saving.phase, saving.free_at = "save", now + 3.0
+    assert prefill_left(saving, speeds, now) == 3.0                         # a save: until its expected end
+    saving.free_at = None
+    assert prefill_left(saving, speeds, now) == 0.0
+    idle = Slot(0, 1, used=True, computing=1000)
+    assert prefill_left(idle, speeds, now) == 0.0

@@ -618,6 +618,7 @@ def test_a_ram_that_likely_holds_no_more_than_a_system_prompt_the_slots_share_is
     assert not c.warm and c.slot is a                 # the coldest, computed as any prompt the RAM does not hold
     c = choose([a, b], p, None, warm=(0, 6, True))   # the RAM holds more: three blocks of this conversation
     assert c.warm and c.warm_blocks == 6
+    assert c.resident == 0 and c.uncomputed == 6     # the server loads those: its request computes the rest only
 
 
 def test_server_caches_remember_the_last_holder_of_the_longest_prefix() -> None:
