@@ -309,12 +309,15 @@ def test_a_ram_that_kept_other_chats_beside_a_short_return_is_bet_on_for_a_long_
                 return chat + [{"role": "assistant", "content": answer.json()["choices"][0]["message"]["content"]},
                                {"role": "user", "content": text}]
 
-            short_chat = [{"role": "user", "content": chats.text(rng, 80)}]
+            # short enough for its prefill to stay under RAM_BET_SECONDS on a slow CPU (10 ms a token), the long one
+            # long enough for its prefill to pass it on a fast one (2 ms a token)
+            short_chat = [{"role": "user", "content": chats.text(rng, 30)}]
             short_answer = ask(short_chat)
-            # chats of growing sizes, each no longer than all before it (so the RAM had room to store each)
-            ask([{"role": "user", "content": chats.text(rng, 60)}])
-            ask([{"role": "user", "content": chats.text(rng, 100)}])   # the short chat's slot taken: it goes to RAM
-            long_chat = [{"role": "user", "content": chats.text(rng, 200)}]
+            # chats of growing sizes, each clearly no longer than all before it (so the RAM had room to store each;
+            # the second one takes the short chat's slot, which goes to RAM)
+            for words in (20, 30, 45, 60, 90, 130):
+                ask([{"role": "user", "content": chats.text(rng, words)}])
+            long_chat = [{"role": "user", "content": chats.text(rng, 240)}]
             long_answer = ask(long_chat)
             for _ in range(2):   # two more chats take both slots over: the long one goes to RAM too
                 ask([{"role": "user", "content": chats.text(rng, 20)}])
