@@ -347,6 +347,7 @@ class MessagesStream:
         self._thinking_started = False    # task_result_state.thinking_block_started, text_block_started
         self._text_started = False
         self.usage: dict[str, Any] = {}   # the last `timings` read: cache_n, prompt_n, predicted_n...
+        self._started = False   # message_start sent
 
     def feed(self, chunk: bytes) -> bytes:
         """The Anthropic bytes for these bytes of the chat stream (empty until a result is complete)."""
@@ -400,15 +401,25 @@ class MessagesStream:
                     self._tools[d.tool][1] = d.name
         return diffs
 
+    def _message_start(self, result: list[dict[str, Any]], timings: dict[str, Any], out: list[bytes]) -> None:
+        """message_start, before the first result's events. llama-server sends it with the partial result of the
+        first token only (`n_decoded == 1`), so a stream whose first token was held back (the start of a stop
+        string) or that ends at its first token has none, and Anthropic's SDKs refuse such a stream; here it goes
+        with whatever result comes first, which is that partial one whenever the server sends it."""
+        if self._started:
+            return
+        self._started = True
+        head = result[0]
+        out.append(_event("message_start", {"type": "message_start", "message": {
+            "id": head.get("id"), "type": "message", "role": "assistant", "content": [],
+            "model": head.get("model"), "stop_reason": None, "stop_sequence": None,
+            "usage": {"cache_read_input_tokens": timings.get("cache_n", 0),
+                      "input_tokens": timings.get("prompt_n", 0), "output_tokens": 0}}}))
+
     def _partial(self, result: list[dict[str, Any]], timings: dict[str, Any] | None) -> bytes:
         out: list[bytes] = []
-        if timings is not None and timings.get("predicted_n") == 1:
-            head = result[0]
-            out.append(_event("message_start", {"type": "message_start", "message": {
-                "id": head.get("id"), "type": "message", "role": "assistant", "content": [],
-                "model": head.get("model"), "stop_reason": None, "stop_sequence": None,
-                "usage": {"cache_read_input_tokens": timings.get("cache_n", 0),
-                          "input_tokens": timings.get("prompt_n", 0), "output_tokens": 0}}}))
+        if timings is not None:
+            self._message_start(result, timings, out)
         diffs = self._diffs(result)
         thinking, text = self._thinking_started, self._text_started
         text_index = 1 if self._reasoning else 0
@@ -431,6 +442,7 @@ class MessagesStream:
         text_index = 1 if self._reasoning else 0
         tools_index = text_index + (1 if self._text else 0)
         out: list[bytes] = []
+        self._message_start(result, timings, out)
         for d in diffs:
             thinking, text = _text_events(d, thinking, text, text_index, out)
             if d.tool is not None:

@@ -124,6 +124,19 @@ class Api:
         """lpcache's own error as this API's clients read errors (a backend's error passes on as it came)."""
         return err.payload()
 
+    def error_document(self, err: ProxyError) -> dict[str, Any]:
+        """The error as a JSON object (what a failed request's coalesced followers answer): `error`'s body, or,
+        when that is not one (a backend's HTML or plain-text error page, an empty body), the same error told in
+        this API's own shape."""
+        for told in (err, ProxyError(err.message, status=err.status, type=err.type, code=err.code)):
+            try:
+                doc = orjson.loads(self.error(told)[0])
+            except orjson.JSONDecodeError:
+                continue
+            if isinstance(doc, dict):
+                return doc
+        return ProxyError.body(err)
+
     def parse(self, raw: bytes, path: str, settings: Settings) -> Call:
         body = load_object(raw)
         check_common(body)

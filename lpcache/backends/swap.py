@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -24,6 +25,7 @@ from typing import Any
 from lpcache.backends.llama import LlamaClient, SlotAction
 from lpcache.backends.slots import Content
 from lpcache.cache.cache_files import CacheFolder, Limits
+from lpcache.cache.meta_files import inside
 from lpcache.errors import BackendError, ProxyError
 
 log = logging.getLogger("lpcache.swap")
@@ -179,12 +181,40 @@ async def save(client: LlamaClient, slot: int, content: Content, folders: Folder
     result = await client.slot_action(slot, "save", content.key, model=model, timeout=timeout)
     log.info("slot_save url=%s slot=%d file=%s model=%s: %s", client.url, slot, content.key, model or "-",
              describe(result))
+    if result.ok and folders is not None and folders.path:
+        result = await asyncio.to_thread(written_whole, folders.path, content.key, result)
     deleted: tuple[str, ...] = ()
     folder = folders.of(content.key) if folders is not None and result.ok else None
     if folder is not None and folder.limits:
         protected = folders.protected if folders is not None else ()
         deleted = tuple(await asyncio.to_thread(folder.enforce, {content.key, *keep, *protected}))
     return result, deleted
+
+
+def written_whole(folder: str, name: str, result: SlotAction) -> SlotAction:
+    """A save answered 200 whose file, in a folder lpcache sees, is shorter than the `n_written` the server
+    reports is a failed save, and the file is deleted: llama-server (b11434) writes through a buffered FILE and
+    does not check the last flush when it closes it, so a disk that fills at the end of a save leaves a file cut
+    short behind a 200, which every later restore would refuse after clearing the slot. A file not found is
+    left to the caller (the folder may be another host's path of the same name)."""
+    n_written = result.count("n_written")
+    path = inside(folder, name)
+    if n_written is None or path is None:
+        return result
+    try:
+        size = os.stat(path).st_size
+    except OSError:
+        return result
+    if size >= n_written:
+        return result
+    try:
+        os.remove(path)
+    except OSError as e:
+        log.warning("slot_file_remove_failed file=%s: %s", name, e)
+    log.warning("slot_save_short file=%s size=%d n_written=%d: the file on disk is shorter than the server says it "
+                "wrote (a full disk?); the save counts as failed and the file is deleted", name, size, n_written)
+    error = f"the file on disk has {size} of the {n_written} bytes written (a full disk?)"
+    return replace(result, ok=False, body={**result.body, "error": error})
 
 
 async def bring_in(client: LlamaClient, slot: int, held: Content | None, want: Content, folders: Folders | None,

@@ -353,20 +353,30 @@ class MetaIndex(MetaFiles, IndexLimits):
             entry.timestamp, entry.uses, entry.interval = now, usage.uses, usage.interval
 
     async def discard_if_stale(self, key: str) -> bool:
-        """After a rejected restore: delete the meta when its KV file is gone from every visible slot-save folder.
-        A meta whose folders are not visible here (a remote backend) is kept: lpcache cannot tell."""
+        """After a rejected restore: delete the meta when its KV file is gone from every visible slot-save folder,
+        or the entry and the file when that file is not the size its save wrote (cut short by a server killed
+        while it saved, or by a full disk; damaged since): no later restore is tried on it, and the server's KV
+        layout is not blamed for it. A meta whose folders are not visible here (a remote backend) is kept: lpcache
+        cannot tell."""
         entry = self._entries.get(key)
         if entry is None:
             return False
         folders = [p for p in {entry.slot_save_path, *self.slot_save_paths} if p]
 
-        def gone_everywhere() -> bool:
+        def why_not_loadable() -> str | None:
             visible = [p for p in folders if os.path.isdir(p)]
-            return bool(visible) and not any(os.path.exists(os.path.join(p, entry.key)) for p in visible)
+            sizes = [size for p in visible if (size := _file_size(os.path.join(p, entry.key))) is not None]
+            if visible and not sizes:
+                return "stale"
+            return "damaged" if entry.size and sizes and all(size != entry.size for size in sizes) else None
 
-        if not await self._run(gone_everywhere) or self._entries.get(key) is not entry:
+        why = await self._run(why_not_loadable)
+        if why is None or self._entries.get(key) is not entry:
             return False
-        await self.drop(key, "stale")
+        if why == "damaged":
+            log.warning("kv_file_damaged key=%s: its file is not the %d bytes its save wrote; entry and file deleted",
+                        key[:16], entry.size)
+        await self.drop(key, why)
         return True
 
     async def drop(self, key: str, why: str) -> None:
@@ -526,3 +536,10 @@ class MetaIndex(MetaFiles, IndexLimits):
 
 def _named_nowhere(key: str) -> bool:
     return False
+
+
+def _file_size(path: str) -> int | None:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return None

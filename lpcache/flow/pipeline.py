@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
-import orjson
 from starlette.requests import Request
 from starlette.types import ASGIApp
 
@@ -170,7 +169,7 @@ class Pipeline:
             raise ClientGone() from None
         except ProxyError as e:
             watch.stop()
-            attempts.end_group(orjson.loads(api.error(e)[0]), e.status)   # the followers get what the leader gets
+            attempts.end_group(api.error_document(e), e.status)   # the followers get what the leader gets
             raise
         except BaseException:
             watch.stop()
@@ -243,4 +242,5 @@ class Pipeline:
 
 def _path_qs(request: Request) -> str:
     return request.url.path + (f"?{request.url.query}" if request.url.query else "")
+
 

@@ -304,7 +304,7 @@ class Saver:
         await self.index.saving(content.key, backend.config.slot_save_path)   # reconciled at start if we stop here
         for attempt in range(1, attempts + 1):
             try:
-                result, _ = await swap.save(backend.client, slot.id, content, None, model)
+                result, _ = await swap.save(backend.client, slot.id, content, self.folders[backend.index], model)
             except asyncio.CancelledError:
                 self.index.unmark(content.key)
                 raise

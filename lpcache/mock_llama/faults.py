@@ -16,6 +16,7 @@ import struct
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from starlette.responses import HTMLResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lpcache.mock_llama.errors import error_response
@@ -31,6 +32,7 @@ class Faults:
     latency_ms: float = 0.0
     status: int | None = None
     status_count: int = -1
+    status_page: bool = False  # a `status` answer is a front web server's HTML page, not llama-server's JSON error
     drop: int = 0
     hang: int = 0
     stream_break_after: int | None = None
@@ -38,6 +40,7 @@ class Faults:
     stream_break_half: bool = False  # the stream break comes halfway through the event after those passed on
     save_status: int | None = None
     save_fail_count: int = -1
+    save_short: int = 0  # saves whose file is cut short while the answer says all was written (a full disk)
     body_cut: int = 0
     body_stall: int = 0
     paths: tuple[str, ...] = INFERENCE_PATHS  # where latency/status/drop/hang/body_cut/body_stall apply
@@ -68,6 +71,9 @@ class Faults:
 
     def take_save_status(self) -> int | None:
         return self._take("save_status", "save_fail_count")
+
+    def take_save_short(self) -> bool:
+        return self._take_one("save_short")
 
     def take_stream_break(self) -> int | None:
         return self._take("stream_break_after", "stream_break_count")
@@ -115,9 +121,9 @@ def _check(key: str, value: Any) -> Any:
         ok = value is None or (is_int(value) and 100 <= value <= 599)
     elif key in ("status_count", "stream_break_count", "save_fail_count"):
         ok = is_int(value) and value >= -1
-    elif key in ("drop", "hang", "body_cut", "body_stall"):
+    elif key in ("drop", "hang", "body_cut", "body_stall", "save_short"):
         ok = is_int(value) and value >= 0
-    elif key == "stream_break_half":
+    elif key in ("stream_break_half", "status_page"):
         ok = isinstance(value, bool)
     elif key == "stream_break_after":
         ok = value is None or (is_int(value) and value >= 0)
@@ -227,7 +233,11 @@ class FaultMiddleware:
                 raise ConnectionResetError("mock fault: drop")
             await wait_disconnect(receive)
         elif (status := self.faults.take_status()) is not None:
-            await error_response(status, "mock fault: injected status")(scope, receive, send)
+            if self.faults.status_page:
+                page = f"<html><head><title>{status} Bad Gateway</title></head><body><h1>{status}</h1></body></html>"
+                await HTMLResponse(page, status)(scope, receive, send)
+            else:
+                await error_response(status, "mock fault: injected status")(scope, receive, send)
         else:
             await self.app(scope, receive, send)
 

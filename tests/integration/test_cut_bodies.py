@@ -282,3 +282,32 @@ def test_a_stream_cut_right_after_done_is_whole(start_backend: Any, start_proxy:
     proxy.wait_finished(len(answers))
     assert proxy.records[0].reason is None and any(r.saved for r in proxy.records)
     all_free(proxy)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+def test_an_error_page_that_is_not_json_passes_on_and_ends_the_coalesced_group(start_backend: Any, start_proxy: Any,
+                                                                                 path: str) -> None:
+    """A web server in front of llama-server answers with an HTML error page: the first request's client gets it as
+    it came; the identical requests that joined it get the same status with a JSON error; the group is closed, so
+    the same request, once the backend is well again, is answered."""
+    a = start_backend(slots=2)
+    proxy = start_proxy(a, coalesce_requests=True)
+    fault(a, status=502, status_page=True, latency_ms=400, paths=["/v1/chat/completions"])
+    body = ({"messages": user(words(5, SMALL)), "max_tokens": 4} if path == "/v1/chat/completions" else
+            {"model": "m", "max_tokens": 4, "messages": user(words(5, SMALL))})
+    with ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(lambda _: httpx.post(proxy.url + path, json=body, timeout=30), range(3)))
+    assert sorted(r.status_code for r in answers) == [502] * 3, [r.text for r in answers]
+    pages = [r for r in answers if r.headers["content-type"].startswith("text/html")]
+    assert len(pages) == 1 and "<title>502 Bad Gateway</title>" in pages[0].text   # the first one's, as it came
+    for r in answers:
+        if r is not pages[0]:
+            assert r.headers["x-lpcache-coalesced"] == "true" and r.headers["content-type"] == "application/json"
+            doc = r.json()   # the API's own error shape: OpenAI's, or Anthropic's on /v1/messages
+            assert (doc.get("type") == "error") is (path == "/v1/messages"), doc
+            assert "502" in doc["error"]["message"] and doc["error"]["type"] == "backend_error", doc
+    fault(a, status=None, latency_ms=0)
+    again = httpx.post(proxy.url + path, json=body, timeout=30)
+    assert again.status_code == 200 and "x-lpcache-coalesced" not in again.headers
+    assert all(r.status != 500 for r in proxy.records)
+    all_free(proxy)

@@ -230,6 +230,57 @@ def test_a_restore_refused_for_the_slots_context_does_not_stop_the_files_of_its_
     assert r.headers["x-lpcache-restored"] == "true" and r.headers["x-lpcache-cache-hit"] == "true"
 
 
+def test_damaged_files_are_deleted_and_do_not_stop_the_files_of_their_layout(
+        start_backend: Any, start_proxy: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """Two files cut short after their saves (a server killed while saving, a disk that lost their end): each is
+    refused by the server once, then deleted with its entry as damaged (its size is not what its save wrote), and
+    the two refusals do not mark the server's layout as another: the intact file of the same layout is restored."""
+    backend = start_backend(slots=1, prefill_ms_per_token=PREFILL, kv_bytes_per_token=2000)
+    proxy = start_proxy(backend)
+    folder = backend.app_state.config.slot_save_path
+    convs = [chats.Conversation(91 + i, turns=3, n_words=400) for i in range(3)]
+    for conv in convs:
+        send(proxy, conv.body)   # each pushes the one before out of the only slot: files hold them
+    send(proxy, chats.request(94, 300))   # the last one too
+    files = [proxy.records[i].save_file for i in range(3)]
+    assert all(f and os.path.isfile(os.path.join(folder, f)) for f in files)
+    for name in files[:2]:
+        path = os.path.join(folder, name)
+        os.truncate(path, os.path.getsize(path) // 2)
+    for i, name in enumerate(files[:2]):
+        r = send(proxy, convs[i].advance("An answer."))
+        assert r.headers["x-lpcache-restored"] == "false"
+        assert not os.path.exists(os.path.join(folder, name)) and name not in proxy.pipeline.index
+    assert mock_stats(backend)["restore_failures"] == 2
+    assert caplog.text.count("kv_file_damaged") == 2 and "its KV layout is not offered there" not in caplog.text
+    r = send(proxy, convs[2].advance("An answer."))
+    assert r.headers["x-lpcache-restored"] == "true" and r.headers["x-lpcache-cache-hit"] == "true"
+    assert mock_stats(backend)["restore_failures"] == 2
+
+
+def test_a_save_cut_short_by_a_full_disk_counts_as_failed_and_leaves_no_file(
+        start_backend: Any, start_proxy: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """llama-server answers 200 with the whole `n_written` when its last write at close fails (a full disk): the
+    file is shorter than that. lpcache takes the save for failed, deletes the file, keeps no entry of it, and never
+    asks for it; the next save there works as before."""
+    backend = start_backend(slots=1, prefill_ms_per_token=PREFILL, kv_bytes_per_token=2000)
+    proxy = start_proxy(backend)
+    folder = backend.app_state.config.slot_save_path
+    httpx.post(f"{backend.url}/mock/faults", json={"save_short": 1}).raise_for_status()
+    short = chats.Conversation(101, turns=3, n_words=400)
+    send(proxy, short.body)
+    assert proxy.records[0].saved is False
+    assert os.listdir(folder) == [] and len(proxy.pipeline.index) == 0   # the short file deleted, no entry of it
+    assert "slot_save_short" in caplog.text
+    whole = chats.Conversation(102, turns=3, n_words=400)
+    send(proxy, whole.body)   # saved whole, and pushes the short one's conversation out of the slot
+    assert proxy.records[-1].saved is True and os.path.isfile(os.path.join(folder, proxy.records[-1].save_file))
+    send(proxy, chats.request(103, 300))
+    r = send(proxy, whole.advance("An answer."))
+    assert r.headers["x-lpcache-restored"] == "true" and r.headers["x-lpcache-cache-hit"] == "true"
+    assert mock_stats(backend)["restore_failures"] == 0
+
+
 def test_a_router_caches_in_prefix_mode_and_ignores_unknown_models(start_backend: Any, start_proxy: Any) -> None:
     router = start_backend(router=True, models=("a", "b"), slots=1, prefill_ms_per_token=PREFILL)
     proxy = start_proxy(router)

@@ -338,10 +338,17 @@ def test_message_start_on_the_first_token_with_the_timings_usage() -> None:
         b'"usage":{"cache_read_input_tokens":20,"input_tokens":5,"output_tokens":0}}}')
 
 
-def test_no_message_start_when_the_first_token_sent_nothing() -> None:
-    """A first token that is half a UTF-8 character makes no result: llama-server's first one then has n == 2."""
+def test_message_start_comes_first_when_the_first_token_sent_nothing() -> None:
+    """A first token that is half a UTF-8 character (or the start of a stop string) makes no result: llama-server's
+    first one then has n == 2, and its own /v1/messages sends no message_start at all, which Anthropic's SDKs refuse
+    ("Unexpected event order"). lpcache sends it with the first result that comes, and with a final result that
+    comes first (an answer of one token)."""
     assert [name for name, _ in events(convert([chunk({"content": "é"}, 2)]))] == [
-        "content_block_start", "content_block_delta"]
+        "message_start", "content_block_start", "content_block_delta"]
+    only_final = [name for name, _ in events(convert([chunk({"content": "Hi"}, 1, finish="length")]))]
+    assert only_final[0] == "message_start" and only_final.count("message_start") == 1
+    whole = convert([chunk({"content": "é"}, 2), chunk({"content": "t"}, 3), chunk({}, 3, finish="stop")])
+    assert [name for name, _ in events(whole)].count("message_start") == 1
 
 
 def test_the_final_result_starts_again_the_blocks_its_own_diffs_touch() -> None:

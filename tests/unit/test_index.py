@@ -583,6 +583,19 @@ async def test_discard_if_stale_keeps_meta_when_kv_file_exists(make_index, folde
     assert p.key in idx and exists(kv)
 
 
+async def test_discard_if_stale_deletes_a_file_not_the_size_its_save_wrote(make_index, folders) -> None:
+    a_dir, _ = folders
+    idx = make_index(wpb=2, slot_save_paths=[a_dir])
+    p, q = prompt(text(6)), prompt(text(8, start=50))
+    await idx.add(p, p.key, URL, a_dir, FP, 3, 1000)
+    await idx.add(q, q.key, URL, a_dir, FP, 3, 2)
+    damaged, whole = kv_file(a_dir, p.key), kv_file(a_dir, q.key)   # 2 bytes each
+    assert await idx.discard_if_stale(p.key) is True
+    assert p.key not in idx and not meta_exists(idx, p.key) and not exists(damaged)
+    assert await idx.discard_if_stale(q.key) is False   # the size its save wrote: kept (refused for another cause)
+    assert q.key in idx and exists(whole)
+
+
 async def test_discard_if_stale_keeps_meta_when_folder_not_visible(make_index, tmp_path) -> None:
     remote = str(tmp_path / "remote-only")
     idx = make_index(wpb=2, slot_save_paths=[remote])
