@@ -1,5 +1,6 @@
 """OpenAI Responses (POST /v1/responses, /responses): Codex-style agents. llama-server turns the body into a chat
-request itself and passes `id_slot` on, so lpcache forwards it as it came, pinned, and its answer unchanged.
+request itself and passes `id_slot` on, so lpcache forwards it as it came, pinned, and its answer unchanged but for
+a stream's missing indexes (`responses_stream`).
 
 The prompt is the chat request llama-server makes of the body (`to_chat`, a port of b11434's
 `server_chat_convert_responses_to_chatcmpl`, tools/server/server-chat.cpp): `instructions` as a system message, the
@@ -14,8 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from lpcache.apis.base import Api, View
+from lpcache.apis.base import Api, Converter, View
 from lpcache.apis.llama_json import json_value
+from lpcache.apis.responses_stream import ResponsesStream
 from lpcache.cache.identity import template_fields
 from lpcache.errors import BadRequest
 
@@ -188,6 +190,9 @@ class ResponsesApi(Api):
             raise BadRequest("'input' is required", code="invalid_input")
         if not isinstance(body["input"], str | list):   # as llama-server words it
             raise BadRequest("'input' must be a string or array of objects", code="invalid_input")
+
+    def converter(self, body: dict[str, Any]) -> Converter | None:
+        return ResponsesStream()   # the indexes OpenAI's SDKs build the response by
 
     def view(self, body: dict[str, Any]) -> View:
         try:

@@ -242,5 +242,3 @@ class Pipeline:
 
 def _path_qs(request: Request) -> str:
     return request.url.path + (f"?{request.url.query}" if request.url.query else "")
-
-
