@@ -418,8 +418,8 @@ class MessagesStream:
 
     def _partial(self, result: list[dict[str, Any]], timings: dict[str, Any] | None) -> bytes:
         out: list[bytes] = []
-        if timings is not None:
-            self._message_start(result, timings, out)
+        if timings is not None or result:   # a result cut short (`close`): usage as last read, nothing if none
+            self._message_start(result, timings if timings is not None else self.usage, out)
         diffs = self._diffs(result)
         thinking, text = self._thinking_started, self._text_started
         text_index = 1 if self._reasoning else 0

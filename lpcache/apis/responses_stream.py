@@ -10,11 +10,13 @@ stream. A field the server sends is never changed, and a block that is not a JSO
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
 
 _ITEM_EVENTS = ("response.output_item.added", "response.output_item.done")
+_BETWEEN = re.compile(rb"(\r\n\r\n|\n\n)")   # what ends an event (llama-server writes the second)
 _PART_ADDED = "response.content_part.added"
 
 
@@ -27,8 +29,8 @@ class ResponsesStream:
 
     def feed(self, chunk: bytes) -> bytes:
         self._buffer += chunk
-        *blocks, self._buffer = self._buffer.split(b"\n\n")
-        return b"".join(self._block(block) + b"\n\n" for block in blocks)
+        *parts, self._buffer = _BETWEEN.split(self._buffer)
+        return b"".join(self._block(block) + end for block, end in zip(parts[::2], parts[1::2], strict=True))
 
     def close(self) -> bytes:
         rest, self._buffer = self._buffer, b""

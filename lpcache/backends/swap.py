@@ -201,10 +201,14 @@ def written_whole(folder: str, name: str, result: SlotAction) -> SlotAction:
     path = inside(folder, name)
     if n_written is None or path is None:
         return result
-    try:
-        size = os.stat(path).st_size
+    try:   # opened, not only stat'ed: a network folder's cached attributes are checked again on open
+        fd = os.open(path, os.O_RDONLY)
     except OSError:
         return result
+    try:
+        size = os.fstat(fd).st_size
+    finally:
+        os.close(fd)
     if size >= n_written:
         return result
     try:

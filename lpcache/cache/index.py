@@ -373,6 +373,8 @@ class MetaIndex(MetaFiles, IndexLimits):
         why = await self._run(why_not_loadable)
         if why is None or self._entries.get(key) is not entry:
             return False
+        if why == "damaged" and key in {*self._saving, *self._unlinking, *self.in_use_elsewhere()}:
+            return False   # written again right now, here or by another replica: its size says nothing yet
         if why == "damaged":
             log.warning("kv_file_damaged key=%s: its file is not the %d bytes its save wrote; entry and file deleted",
                         key[:16], entry.size)

@@ -351,6 +351,15 @@ def test_message_start_comes_first_when_the_first_token_sent_nothing() -> None:
     assert [name for name, _ in events(whole)].count("message_start") == 1
 
 
+def test_a_first_result_cut_short_still_starts_with_message_start() -> None:
+    """The stream breaks inside its first result (a diff came, not the chunk with its timings): what `close` turns
+    it into still starts with message_start, so the client's SDK reads the error event after it."""
+    stream = MessagesStream()
+    assert stream.feed(chunk({"role": "assistant", "content": None}) + chunk({"content": "Hi"})) == b""
+    names = [name for name, _ in events(stream.close())]
+    assert names[0] == "message_start" and names.count("message_start") == 1 and "content_block_delta" in names
+
+
 def test_the_final_result_starts_again_the_blocks_its_own_diffs_touch() -> None:
     """to_json_anthropic_stream keeps its own started state: text held back until the end starts a second text
     block at the same index; a tool call continued in the final result starts again, with its full id and name."""

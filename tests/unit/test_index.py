@@ -594,6 +594,10 @@ async def test_discard_if_stale_deletes_a_file_not_the_size_its_save_wrote(make_
     assert p.key not in idx and not meta_exists(idx, p.key) and not exists(damaged)
     assert await idx.discard_if_stale(q.key) is False   # the size its save wrote: kept (refused for another cause)
     assert q.key in idx and exists(whole)
+    await idx.add(p, p.key, URL, a_dir, FP, 3, 1000)
+    damaged = kv_file(a_dir, p.key)
+    await idx.saving(p.key, a_dir)   # written again right now: its size says nothing
+    assert await idx.discard_if_stale(p.key) is False and exists(damaged)
 
 
 async def test_discard_if_stale_keeps_meta_when_folder_not_visible(make_index, tmp_path) -> None:

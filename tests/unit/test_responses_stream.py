@@ -86,3 +86,11 @@ def test_what_is_not_a_json_event_passes_on_unchanged() -> None:
     raw = b": ping\n\ndata: [DONE]\n\ndata: {\"error\": {\"message\": \"x\"}}\n\nevent: e\ndata: {not json\n\n"
     assert convert([raw]) == raw
     assert convert([b"data: {\"type\": \"response.created\"}"]) == b"data: {\"type\": \"response.created\"}"
+
+
+def test_events_framed_with_crlf_go_out_as_they_come() -> None:
+    s = ResponsesStream()
+    first = stream(SERVER[:1]).replace(b"\n", b"\r\n")
+    out = s.feed(first + b"event: response.in_progress\r\n")
+    assert out.endswith(b"\r\n\r\n") and parsed(out.replace(b"\r\n", b"\n"))[0]["sequence_number"] == 0
+    assert s.close() == b"event: response.in_progress\r\n"
