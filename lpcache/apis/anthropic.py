@@ -418,8 +418,8 @@ class MessagesStream:
 
     def _partial(self, result: list[dict[str, Any]], timings: dict[str, Any] | None) -> bytes:
         out: list[bytes] = []
-        if timings is not None or result:   # a result cut short (`close`): usage as last read, nothing if none
-            self._message_start(result, timings if timings is not None else self.usage, out)
+        # a result cut short (`close`, no timings of its own): the usage last read, nothing if none
+        self._message_start(result, self.usage if timings is None else timings, out)
         diffs = self._diffs(result)
         thinking, text = self._thinking_started, self._text_started
         text_index = 1 if self._reasoning else 0
